@@ -1,0 +1,212 @@
+"""Parallel env runner: many env instances stepped in worker processes.
+
+Episode i lives on worker i % num_workers. Each call (prepare, reset, step) is sent to every
+worker that has work and then collected, so workers step their episodes at the same time while
+the main process waits once. A worker whose env raises, hangs or dies does not end the run: the
+affected episodes come back as crashed (done, not won), the worker is restarted, and the next
+reset works again.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import traceback
+
+WORKER_TIMEOUT_S = float(os.environ.get("ENV_WORKER_TIMEOUT_S", "600"))
+
+
+def _crash_step(message: str, last=None):
+    from envs import Step
+
+    return Step(
+        observation=f"[env crashed: {message}]",
+        reward=0.0,
+        done=True,
+        won=False,
+        admissible=None,
+        task=getattr(last, "task", ""),
+        task_type=getattr(last, "task_type", ""),
+        state=getattr(last, "state", frozenset()),
+        crashed=True,
+    )
+
+
+def _worker(conn, module_name: str, kwargs: dict) -> None:
+    """Worker loop: holds one env instance per episode slot; never raises on env errors."""
+    import importlib
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    module = importlib.import_module(module_name)
+    envs: dict[int, object] = {}
+
+    def env_for(slot: int):
+        if slot not in envs:
+            envs[slot] = module.Env(**kwargs)
+        return envs[slot]
+
+    def guarded(slot: int, fn):
+        try:
+            return fn(env_for(slot))
+        except Exception as e:  # the env broke: report, drop the instance, keep serving
+            detail = f"{type(e).__name__}: {e}"
+            if os.environ.get("ENV_DEBUG"):
+                detail += "\n" + traceback.format_exc()
+            env = envs.pop(slot, None)
+            try:
+                env is not None and env.close()
+            except Exception:
+                pass
+            return _crash_step(detail)
+
+    while True:
+        try:
+            cmd, payload = conn.recv()
+        except (EOFError, KeyboardInterrupt):
+            break
+        if cmd == "prepare":
+            out = [guarded(-1, lambda env, t=t: env.prepare(t)) for t in payload]
+        elif cmd == "reset":
+            out = [guarded(slot, lambda env, t=t: env.reset(t)) for slot, t in payload]
+        elif cmd == "step":
+            out = [guarded(slot, lambda env, a=a: env.step(a)) for slot, a in payload]
+        elif cmd == "reference":
+            out = [guarded(-1, lambda env, t=t: env.reference_actions(t)) for t in payload]
+        elif cmd == "close":
+            for env in envs.values():
+                try:
+                    env.close()
+                except Exception:
+                    pass
+            conn.send(None)
+            break
+        else:
+            out = ValueError(f"unknown command {cmd}")
+        conn.send(out)
+
+
+class EnvRunner:
+    """Steps episodes of one env in `num_workers` processes (spawned: safe beside torch threads)."""
+
+    def __init__(self, spec, num_workers: int = 4):
+        self.spec = spec
+        self.num_workers = max(1, int(num_workers))
+        self._ctx = mp.get_context("spawn")
+        self._procs: list = [None] * self.num_workers
+        self._conns: list = [None] * self.num_workers
+        self._last: dict[int, object] = {}
+        self.crashes = 0
+        for w in range(self.num_workers):
+            self._start(w)
+
+    def _start(self, w: int) -> None:
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(
+            target=_worker, args=(child, self.spec.module_name, self.spec.kwargs), daemon=True
+        )
+        proc.start()
+        child.close()
+        self._procs[w], self._conns[w] = proc, parent
+
+    def _restart(self, w: int) -> None:
+        self.crashes += 1
+        proc = self._procs[w]
+        if proc is not None and proc.is_alive():
+            proc.kill()
+        if proc is not None:
+            proc.join(timeout=5)
+        self._start(w)
+
+    def _call(self, cmd: str, per_worker: dict[int, list]) -> dict[int, list]:
+        """Send one command to every worker with work, then gather; a dead worker yields None."""
+        sent = {}
+        for w, payload in per_worker.items():
+            if not payload:
+                continue
+            try:
+                self._conns[w].send((cmd, payload))
+                sent[w] = payload
+            except (BrokenPipeError, OSError):
+                sent[w] = None
+        out = {}
+        for w, payload in sent.items():
+            result = None
+            if payload is not None:
+                try:
+                    if self._conns[w].poll(WORKER_TIMEOUT_S):
+                        result = self._conns[w].recv()
+                except (EOFError, OSError, ConnectionResetError):
+                    result = None
+            if result is None or isinstance(result, Exception):
+                self._restart(w)
+                result = None
+            out[w] = result
+        return out
+
+    def _episodes_call(self, cmd: str, items: dict[int, object]) -> dict[int, object]:
+        per_worker: dict[int, list] = {w: [] for w in range(self.num_workers)}
+        order: dict[int, list[int]] = {w: [] for w in range(self.num_workers)}
+        for ep, value in items.items():
+            w = ep % self.num_workers
+            per_worker[w].append((ep // self.num_workers, value))
+            order[w].append(ep)
+        results = self._call(cmd, per_worker)
+        out = {}
+        for w, eps in order.items():
+            if not eps:
+                continue
+            got = results.get(w)
+            for k, ep in enumerate(eps):
+                out[ep] = got[k] if got is not None else _crash_step("worker died", self._last.get(ep))
+                if out[ep].crashed and got is not None:
+                    last = self._last.get(ep)
+                    out[ep].task = out[ep].task or getattr(last, "task", "")
+                    out[ep].task_type = out[ep].task_type or getattr(last, "task_type", "")
+                self._last[ep] = out[ep]
+        return out
+
+    def _spread(self, cmd: str, task_ids: list[str]) -> list:
+        """Run a per-task command for distinct tasks, spread over the workers."""
+        unique = list(dict.fromkeys(task_ids))
+        per_worker = {w: unique[w :: self.num_workers] for w in range(self.num_workers)}
+        results = self._call(cmd, per_worker)
+        by_task = {}
+        for w, tasks in per_worker.items():
+            got = results.get(w)
+            for k, t in enumerate(tasks):
+                by_task[t] = got[k] if got is not None else _crash_step("worker died")
+        return [by_task[t] for t in task_ids]
+
+    def reset(self, task_ids: list[str]) -> list:
+        """Start episode i on task_ids[i]; episodes beyond len(task_ids) are forgotten."""
+        self._spread("prepare", task_ids)  # build each distinct task once (e.g. compile a game)
+        self._last = {}
+        out = self._episodes_call("reset", dict(enumerate(task_ids)))
+        return [out[i] for i in range(len(task_ids))]
+
+    def step(self, actions: dict[int, str]) -> dict[int, object]:
+        """Step the episodes named in `actions` (episode index -> action text)."""
+        return self._episodes_call("step", actions)
+
+    def reference_actions(self, task_ids: list[str]) -> list[list[str]]:
+        """Expert action sequences, computed in the workers (engines stay out of the trainer)."""
+        out = self._spread("reference", task_ids)
+        return [r if isinstance(r, list) else [] for r in out]
+
+    def close(self) -> None:
+        for w, conn in enumerate(self._conns):
+            try:
+                conn.send(("close", None))
+                conn.poll(10) and conn.recv()
+            except Exception:
+                pass
+            proc = self._procs[w]
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

