@@ -199,11 +199,11 @@ def load_policy(model_name: str, device: torch.device):
         path = str(Path(path).parent)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kw)
-        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, **kw)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
     except OSError as e:
         fail(f"could not load model {model_name!r} (not a local folder, and not in the hub cache or reachable): {str(e).splitlines()[0]}")
     if kw:  # a GGUF-loaded model cannot save_pretrained: rebuild it as a plain HF model
-        plain = AutoModelForCausalLM.from_config(model.config, torch_dtype=torch.float32)
+        plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
         plain.load_state_dict(model.state_dict())
         model = plain
     if tokenizer.pad_token_id is None:
@@ -350,6 +350,9 @@ def rollout(spec, runner, tokenizer, generate, args: Args, task_ids: list[str], 
     obs = runner.reset(task_ids)
     timing["env_s"] += time.perf_counter() - t0
     episodes = [Episode(t, g, o.task, o.task_type, crashed=o.crashed, score=o.score) for t, g, o in zip(task_ids, groups, obs)]
+    for i, o in enumerate(obs):
+        if o.crashed:
+            tqdm.write(f"warning: env of episode {i} ({task_ids[i]}) failed to start: {o.observation[:300]}")
     history = [[] for _ in task_ids]
     active = [i for i, o in enumerate(obs) if not o.done]
     for _ in tqdm(range(args.max_steps), desc=desc, leave=False, disable=not sys.stderr.isatty()):
@@ -372,6 +375,8 @@ def rollout(spec, runner, tokenizer, generate, args: Args, task_ids: list[str], 
             history[i].append((obs[i].observation, actions[i]))
             episodes[i].turns[-1].next_state = result.state
             episodes[i].won, episodes[i].score = result.won, result.score
+            if result.crashed:
+                tqdm.write(f"warning: env of episode {i} ({episodes[i].task_id}) crashed, counted as failed: {result.observation[:300]}")
             episodes[i].crashed |= result.crashed
             obs[i] = result
         active = [i for i in active if not obs[i].done]
@@ -471,7 +476,7 @@ def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tok
     """log pi(y_k | x, y_<k) and entropy for every response token, flattened row by row.
     Logits exist only for response positions, `chunk_tokens` rows at a time; with grad, each
     chunk is recomputed in backward instead of keeping full-vocabulary logits alive."""
-    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     target_mask = response_mask[:, 1:]
     hidden = hidden[:, :-1][target_mask]
     targets = input_ids[:, 1:][target_mask]

@@ -37,6 +37,8 @@ LEVELS = {
     "full": dict(recipe=2, take=2, go=6, open=True, cook=True, cut=True),
 }
 TASKS_PER_LEVEL = {"train": 2000, "valid": 128, "test": 128}
+META_COMMANDS = {"q", "quit", "restart", "restore", "save", "undo", "script", "unscript", "transcript",
+                 "noscript", "verbose", "brief", "superbrief", "notify", "version", "pronouns", "score"}
 # Predicates that never change during a game (kinds, recipe bookkeeping, the map).
 STATIC_PREDICATES = {"base", "cookable", "cuttable", "edible", "inedible", "drinkable", "sharp", "cooking_location",
                      "link", "north_of", "south_of", "east_of", "west_of", "needs_cooking", "out"}
@@ -95,11 +97,19 @@ def compile_game(task_id: str, cache: Path) -> Path:
     return path
 
 
+def game_command(action: str) -> str:
+    """Model text as the Z-machine may receive it: printable ASCII without '\\' (control bytes kill
+    the interpreter, '\\' starts its own escapes), at most 190 bytes, and no interpreter
+    meta-command (quit, restart, undo...: not game actions) - those arrive as an empty command."""
+    command = re.sub(r"[^\x20-\x5b\x5d-\x7e]+", " ", action).strip()[:190]
+    return "" if command.split(" ")[0] in META_COMMANDS else command
+
+
 def clean(feedback: str, objective: str = "") -> str:
     """Drop the title banner, the '>' prompt and the status line TextWorld appends."""
     if objective and objective in feedback:
         feedback = feedback[feedback.index(objective):]
-    feedback = re.split(r"\n>\s", feedback + "\n", maxsplit=1)[0]
+    feedback = re.split(r">[ \t]{2,}|\n>\s*$", feedback, maxsplit=1)[0]
     return re.sub(r"\n{3,}", "\n\n", feedback).strip()
 
 
@@ -114,8 +124,9 @@ def facts_state(facts) -> frozenset:
 
 
 def project_state(state: frozenset, task: str, reference_actions: list[str]) -> frozenset:
-    """ProAS's abstract state: facts about entities that the goal or the expert plan mention;
-    the agent's room is kept when mentioned, else 'elsewhere'. Unrelated objects cannot move it."""
+    """ProAS's abstract state: the facts whose subject the goal or the expert plan mentions (where
+    it is, held, open, cut, cooked); the agent's room when mentioned, else 'elsewhere'. Moving an
+    unrelated object, even into or out of a relevant container, leaves it unchanged."""
     text = " ".join([task.lower(), *[a.lower() for a in reference_actions]])
     mentioned = lambda name: re.search(rf"\b{re.escape(name.lower())}\b", text) is not None  # noqa: E731
     kept = set()
@@ -124,7 +135,7 @@ def project_state(state: frozenset, task: str, reference_actions: list[str]) -> 
         args = [a.strip() for a in rest.rstrip(")").split(",") if a.strip()]
         if name == "at" and args and args[0] == "P":
             kept.add(fact if mentioned(args[1]) else "at(P, elsewhere)")
-        elif any(a not in ("P", "I") and mentioned(a) for a in args):
+        elif args and args[0] not in ("P", "I") and mentioned(args[0]):  # facts about a mentioned thing
             kept.add(fact)
     return frozenset(kept)
 
@@ -155,7 +166,7 @@ class Env:
 
     # ---- step -----------------------------------------------------------------------------
     def step(self, action: str) -> Step:
-        gs, _, done = self._env.step(action)
+        gs, _, done = self._env.step(game_command(action))
         return self._step(gs, clean(gs.feedback))
 
     def _step(self, gs, observation: str) -> Step:

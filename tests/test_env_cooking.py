@@ -1,0 +1,148 @@
+"""The cooking env on real generated TextWorld games, the verl-agent projection, the runner."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import envs
+from envs import cooking
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize(
+    "response, expected",
+    [
+        ("<think>go</think><action>Take Red Apple</action>", ("take red apple", True)),
+        ("<think>x</think>   <action>  open fridge </action> trailing", ("open fridge", True)),
+        ("<action>look</action>", ("look", False)),  # no <think>: sent, but invalid
+        ("<think>a</think><action>看 look</action>", ("看 look", False)),  # CJK text
+        ("<THINK>a</THINK><action>look</action>", ("look", False)),  # the think tags are case-sensitive
+        ("no tags at all, just chatter about the kitchen and more", ("ter about the kitchen and more", False)),
+        ("", ("", False)),
+    ],
+)
+def test_verl_projection(response, expected):
+    action, valid = cooking.parse(response)
+    assert (action, valid) == expected
+    if not expected[1] and "<action>" not in response:
+        assert action == response.lower()[-30:]  # the raw tail is what reaches the env
+
+
+def test_huge_response_sends_only_its_tail():
+    action, valid = cooking.parse("blah " * 10_000)
+    assert len(action) == 30 and not valid
+
+
+def test_task_ids_splits_are_disjoint_and_typed():
+    train, test = cooking.task_ids("train"), cooking.task_ids("test")
+    assert len(train) == 2000 * 5 and len(test) == 128 * 5
+    assert not set(train) & set(test)
+    assert cooking.task_ids("test", level="easy")[:2] == ["test-easy-0", "test-easy-1"]
+    with pytest.raises(ValueError):
+        cooking.task_ids("nope")
+
+
+def test_reference_replay_wins_every_level():
+    env = cooking.Env()
+    try:
+        for level in cooking.LEVELS:
+            task_id = f"train-{level}-3"
+            plan = env.reference_actions(task_id)
+            step = env.reset(task_id)
+            assert step.task_type == level and step.task.startswith("You are hungry")
+            assert not step.done and step.admissible and "help" not in step.admissible
+            for k, action in enumerate(plan):
+                assert not step.done, f"{task_id} ended early at step {k}"
+                step = env.step(action)
+            assert step.won and step.done and step.score == 1.0, task_id
+    finally:
+        env.close()
+
+
+def test_garbage_and_control_bytes_do_not_crash_the_game():
+    env = cooking.Env()
+    try:
+        env.reset("train-easy-0")
+        for garbage in ["\\q", "quit", "restart", "\x10\x0c\u00e9\ufffd meal", "", "take the moon", "x" * 2000]:
+            step = env.step(garbage)
+            assert not step.done and not step.won and isinstance(step.observation, str)
+        assert env.step("look").observation.startswith("-= Kitchen =-")
+    finally:
+        env.close()
+
+
+def test_state_is_order_invariant_and_changes_with_the_world():
+    env = cooking.Env()
+    try:
+        first = env.reset("train-easy-0")
+        takes = [a for a in first.admissible if a.startswith("take ") and "cookbook" not in a][:2]
+        assert len(takes) == 2
+        env.step(takes[0])
+        after_a_b = env.step(takes[1]).state
+        env.reset("train-easy-0")
+        env.step(takes[1])
+        after_b_a = env.step(takes[0]).state
+        assert after_a_b == after_b_a
+        assert after_a_b != first.state
+        assert env.step("look").state == after_b_a  # looking changes nothing
+    finally:
+        env.close()
+
+
+def test_project_state_ignores_unrelated_objects():
+    env = cooking.Env()
+    try:
+        task_id = "train-easy-0"
+        plan = env.reference_actions(task_id)
+        start = env.reset(task_id)
+        distractor = next(a for a in start.admissible if a.startswith("take ") and not any(a in p for p in plan) and "cookbook" not in a)
+        moved = env.step(distractor)
+        assert moved.state != start.state
+        project = lambda s: cooking.project_state(s, start.task, plan)  # noqa: E731
+        assert project(moved.state) == project(start.state)
+        took = env.step(plan[2])  # the plan's own take changes the projected state
+        assert plan[2].startswith("take ") and project(took.state) != project(moved.state)
+    finally:
+        env.close()
+
+
+def test_prompt_follows_verl_agent_template_with_history():
+    history = [("obs one", "look"), ("obs two", "open fridge")]
+    text = cooking.prompt("cook", "obs three", ["look", "eat meal"], history, step_count=5, history_length=2)
+    assert "Prior to this step, you have already taken 5 step(s). Below are the most recent 2 observations" in text
+    assert "[Observation 4: 'obs one', Action 4: 'look']\n[Observation 5: 'obs two', Action 5: 'open fridge']" in text
+    assert "You are now at step 6 and your current observation is: obs three" in text
+    assert "[\'look\'\n \'eat meal\']" in text
+    first = cooking.prompt("cook", "obs", ["look"], [], step_count=0, history_length=2)
+    assert "Prior to this step" not in first and "<action> </action>" in first
+
+
+def test_runner_survives_a_killed_worker():
+    spec = envs.load("cooking")
+    with envs.EnvRunner(spec, num_workers=2) as runner:
+        obs = runner.reset(["train-easy-0"] * 4)
+        assert [o.crashed for o in obs] == [False] * 4
+        victim = runner._procs[1].pid  # episodes 1 and 3 live on worker 1
+        os.kill(victim, signal.SIGKILL)
+        out = runner.step({i: "look" for i in range(4)})
+        assert [out[i].crashed for i in range(4)] == [False, True, False, True]
+        assert out[1].done and not out[1].won and out[1].task_type == "easy"
+        assert runner.crashes == 1
+        again = runner.reset(["train-easy-1"] * 4)  # the restarted worker serves new episodes
+        assert [o.crashed for o in again] == [False] * 4
+
+
+def test_env_check_command_replays_and_exits_zero():
+    out = subprocess.run([sys.executable, "-m", "envs", "check", "--env", "cooking", "--split", "train", "--num-tasks", "3"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "3/3 won" in out.stdout and "train-easy-0: 5/5 reference steps, won" in out.stdout
+
+
+def test_unknown_env_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown env 'nope'"):
+        envs.load("nope")
