@@ -226,10 +226,10 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
-def build_prompt(spec, tokenizer, args: Args, task: str, obs, history: list) -> list[int]:
+def build_prompt(spec, tokenizer, args: Args, episode, obs, history: list) -> list[int]:
     """The turn's prompt, built afresh; over budget it drops history, then keeps the tail."""
     for shown in range(min(args.history_length, len(history)), -1, -1):
-        text = spec.prompt(task, obs.observation, obs.admissible, history[len(history) - shown :] if shown else [], len(history), shown)
+        text = spec.prompt(episode.task, obs.observation, obs.admissible, history[len(history) - shown :] if shown else [], len(history), shown)
         ids = encode_prompt(tokenizer, text)
         if len(ids) <= args.max_prompt_tokens:
             return ids
@@ -343,22 +343,22 @@ class Episode:
     crashed: bool = False
 
 
-def rollout(spec, runner, tokenizer, generate, args: Args, task_ids: list[str], groups: list[int], temperature: float, desc: str):
-    """Play episode i on task_ids[i] until done or max_steps; returns episodes and timings."""
+def rollout(spec, runner, tokenizer, generate, args: Args, episodes: list, temperature: float, desc: str):
+    """Play every episode until done or max_steps, all active ones batched per turn; fills them in."""
     timing = {"gen_s": 0.0, "env_s": 0.0, "gen_tokens": 0}
     t0 = time.perf_counter()
-    obs = runner.reset(task_ids)
+    obs = runner.reset([e.task_id for e in episodes])
     timing["env_s"] += time.perf_counter() - t0
-    episodes = [Episode(t, g, o.task, o.task_type, crashed=o.crashed, score=o.score) for t, g, o in zip(task_ids, groups, obs)]
-    for i, o in enumerate(obs):
+    for e, o in zip(episodes, obs):
+        e.task, e.task_type, e.crashed, e.score = o.task, o.task_type, o.crashed, o.score
         if o.crashed:
-            tqdm.write(f"warning: env of episode {i} ({task_ids[i]}) failed to start: {o.observation[:300]}")
-    history = [[] for _ in task_ids]
+            tqdm.write(f"warning: env of {e.task_id} failed to start, counted as failed: {o.observation[:300]}")
+    history = [[] for _ in episodes]
     active = [i for i, o in enumerate(obs) if not o.done]
     for _ in tqdm(range(args.max_steps), desc=desc, leave=False, disable=not sys.stderr.isatty()):
         if not active:
             break
-        prompts = [build_prompt(spec, tokenizer, args, episodes[i].task, obs[i], history[i]) for i in active]
+        prompts = [build_prompt(spec, tokenizer, args, episodes[i], obs[i], history[i]) for i in active]
         t0 = time.perf_counter()
         responses = generate(prompts, temperature)
         timing["gen_s"] += time.perf_counter() - t0
@@ -376,11 +376,11 @@ def rollout(spec, runner, tokenizer, generate, args: Args, task_ids: list[str], 
             episodes[i].turns[-1].next_state = result.state
             episodes[i].won, episodes[i].score = result.won, result.score
             if result.crashed:
-                tqdm.write(f"warning: env of episode {i} ({episodes[i].task_id}) crashed, counted as failed: {result.observation[:300]}")
+                tqdm.write(f"warning: env of {episodes[i].task_id} crashed, counted as failed: {result.observation[:300]}")
             episodes[i].crashed |= result.crashed
             obs[i] = result
         active = [i for i in active if not obs[i].done]
-    return episodes, timing
+    return timing
 
 
 def episode_metrics(episodes: list[Episode], success_reward: float, prefix: str) -> dict:
@@ -586,7 +586,8 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
 def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: list[str]) -> dict:
     """One episode per held-out task at the eval temperature; the training RNG is left untouched."""
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-        episodes, _ = rollout(spec, runner, tokenizer, generate, args, eval_tasks, list(range(len(eval_tasks))), args.eval_temperature, "eval")
+        episodes = [Episode(task_id, group) for group, task_id in enumerate(eval_tasks)]
+        rollout(spec, runner, tokenizer, generate, args, episodes, args.eval_temperature, "eval")
     return episode_metrics(episodes, args.success_reward, "eval")
 
 
@@ -734,9 +735,8 @@ if __name__ == "__main__":
             iteration_start = time.perf_counter()
             # ROLLOUT: num_tasks groups of group_size episodes, each group on one task
             tasks = task_rng.choice(len(train_tasks), args.num_tasks, replace=len(train_tasks) < args.num_tasks)
-            task_ids = [train_tasks[k] for k in tasks for _ in range(args.group_size)]
-            groups = [g for g in range(args.num_tasks) for _ in range(args.group_size)]
-            episodes, timing = rollout(spec, runner, tokenizer, generate, args, task_ids, groups, args.temperature, "rollout")
+            episodes = [Episode(train_tasks[k], group) for group, k in enumerate(tasks) for _ in range(args.group_size)]
+            timing = rollout(spec, runner, tokenizer, generate, args, episodes, args.temperature, "rollout")
             rollout_s = time.perf_counter() - iteration_start
 
             # ALGO LOGIC: step scores and group-normalised advantages
