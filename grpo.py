@@ -33,7 +33,7 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 import tyro
 from tqdm import tqdm
 
@@ -212,6 +212,72 @@ def load_policy(model_name: str, device: torch.device):
     return tokenizer, model.to(device)
 
 
+# ----------------------------------------------------------------------------------------------
+# One GPU or many: under torchrun each rank plays its own task groups and FSDP2 shards training.
+# ----------------------------------------------------------------------------------------------
+def init_distributed(args: Args):
+    """(rank, world_size, device). Plain `python`: (0, 1, ...). `torchrun`: one process per GPU, gloo on CPU."""
+    use_cuda = torch.cuda.is_available() and args.cuda
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if use_cuda else "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    return dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def shard_model(model, use_bf16: bool):
+    """FSDP2: each decoder layer and the root become sharded units (fp32 master shards, bf16 compute on GPU)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_bf16 else MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
+
+
+def full_parameters(model):
+    """(name, full tensor) per parameter; sharded ones are all-gathered, so every rank must iterate."""
+    for name, param in model.named_parameters():
+        yield name, (param.full_tensor() if hasattr(param, "full_tensor") else param)
+
+
+def all_reduce(values: list[float], op: str = "sum") -> list[float]:
+    """Sum (or max) of each value over ranks; identity on one process."""
+    if not distributed():
+        return list(values)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return t.tolist()
+
+
+def all_gather_objects(items: list) -> list:
+    """Every rank's list, concatenated in rank order; identity on one process."""
+    if not distributed():
+        return items
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, items)
+    return [x for part in gathered for x in part]
+
+
+def lockstep(batches: list) -> list:
+    """FSDP needs every rank to run the same number of forward passes: pad with None (a dummy pass)."""
+    if not distributed():
+        return batches
+    return batches + [None] * (int(all_reduce([len(batches)], "max")[0]) - len(batches))
+
+
+def barrier() -> None:
+    if distributed():
+        dist.barrier()
+
+
 def eos_token_ids(tokenizer, model) -> list[int]:
     """Every id that ends a response (tokenizer EOS and the model's generation EOS list)."""
     ids = {tokenizer.eos_token_id}
@@ -272,12 +338,20 @@ def sync_vllm_weights(llm, model, sleeping: bool) -> None:
     if sleeping:
         torch.cuda.empty_cache()
         llm.wake_up(tags=["weights"])
-    weights = ((n.removeprefix("_orig_mod."), p.detach().to(torch.bfloat16)) for n, p in model.named_parameters())
+    weights = ((n.removeprefix("_orig_mod."), p.detach().to(torch.bfloat16)) for n, p in full_parameters(model))
     vllm_model(llm).load_weights(weights)
     if sleeping:
         torch.cuda.empty_cache()
         llm.wake_up(tags=["kv_cache"])
     llm.reset_prefix_cache()
+
+
+@torch.no_grad()
+def sync_generation_weights(gen_model, model) -> None:
+    """Under FSDP, HF generation runs on a full-weight copy per rank: gather each parameter into it."""
+    params = dict(gen_model.named_parameters())
+    for name, full in full_parameters(model):
+        params[name].copy_(full)
 
 
 def generate_vllm(llm, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float) -> list[list[int]]:
@@ -383,20 +457,26 @@ def rollout(spec, runner, tokenizer, generate, args: Args, episodes: list, tempe
     return timing
 
 
-def episode_metrics(episodes: list[Episode], success_reward: float, prefix: str) -> dict:
+def episode_stats(e: Episode) -> dict:
+    """What the logged metrics need of one episode (small enough to gather across ranks)."""
+    return {"won": e.won, "length": len(e.turns), "invalid": sum(not t.valid for t in e.turns), "score": e.score,
+            "crashed": e.crashed, "task_type": e.task_type}
+
+
+def episode_metrics(stats: list[dict], success_reward: float, prefix: str) -> dict:
     """Success rate (overall and per task type), return, length, invalid-action rate."""
-    turns = [t for e in episodes for t in e.turns]
+    steps = sum(s["length"] for s in stats)
     metrics = {
-        f"{prefix}/success_rate": float(np.mean([e.won for e in episodes])),
-        f"{prefix}/episode_return": float(np.mean([success_reward * e.won for e in episodes])),
-        f"{prefix}/episode_length": float(np.mean([len(e.turns) for e in episodes])),
-        f"{prefix}/invalid_action_rate": float(np.mean([not t.valid for t in turns])) if turns else 0.0,
-        f"{prefix}/score": float(np.mean([e.score for e in episodes])),
-        f"{prefix}/env_crashes": float(sum(e.crashed for e in episodes)),
+        f"{prefix}/success_rate": float(np.mean([s["won"] for s in stats])),
+        f"{prefix}/episode_return": float(np.mean([success_reward * s["won"] for s in stats])),
+        f"{prefix}/episode_length": float(np.mean([s["length"] for s in stats])),
+        f"{prefix}/invalid_action_rate": sum(s["invalid"] for s in stats) / max(steps, 1),
+        f"{prefix}/score": float(np.mean([s["score"] for s in stats])),
+        f"{prefix}/env_crashes": float(sum(s["crashed"] for s in stats)),
     }
     by_type = defaultdict(list)
-    for e in episodes:
-        by_type[e.task_type].append(e.won)
+    for s in stats:
+        by_type[s["task_type"]].append(s["won"])
     for task_type, wins in sorted(by_type.items()):
         metrics[f"{prefix}/success_rate_{task_type}"] = float(np.mean(wins))
     return metrics
@@ -476,7 +556,13 @@ def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tok
     """log pi(y_k | x, y_<k) and entropy for every response token, flattened row by row.
     Logits exist only for response positions, `chunk_tokens` rows at a time; with grad, each
     chunk is recomputed in backward instead of keeping full-vocabulary logits alive."""
-    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    captured = []  # the final norm's output, i.e. what lm_head reads
+    hook = model.model.norm.register_forward_hook(lambda module, inputs, output: captured.append(output))
+    try:  # the model's own forward (FSDP gathers the root weights), with a single logit position
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+    finally:
+        hook.remove()
+    hidden = captured[0]
     target_mask = response_mask[:, 1:]
     hidden = hidden[:, :-1][target_mask]
     targets = input_ids[:, 1:][target_mask]
@@ -516,36 +602,49 @@ def recompute_logprobs(model, prompts, responses, args: Args, pad_id: int, autoc
     out = [None] * len(prompts)
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     device = next(model.parameters()).device
-    for batch in pack_micro_batches(lengths, args.micro_batch_tokens):
-        ids, attn, resp = collate([prompts[i] for i in batch], [responses[i] for i in batch], pad_id)
+    for batch in lockstep(pack_micro_batches(lengths, args.micro_batch_tokens)):
+        rows = batch or []  # None: a dummy pass of one padding token keeps FSDP ranks in step
+        ids, attn, resp = collate([prompts[i] for i in rows] or [[pad_id]], [responses[i] for i in rows] or [[pad_id]], pad_id)
         with autocast():
             logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
-        for i, part in zip(batch, logp.float().cpu().split([len(responses[i]) for i in batch])):
+        for i, part in zip(rows, logp.float().cpu().split([len(responses[i]) for i in rows])):
             out[i] = part
     return out
 
 
 def update_policy(model, ref_model, optimizer, prompts, responses, advantages, args: Args, pad_id: int, autocast, generator):
-    """Old (and reference) log-probs first, then `update_epochs` passes of minibatch PPO steps."""
+    """Old (and reference) log-probs first, then `update_epochs` passes of minibatch PPO steps.
+    Under torchrun each rank holds its own groups' samples; a minibatch is the union of one
+    slice from every rank and its loss is the token-mean over all of their response tokens."""
     device = next(model.parameters()).device
+    world_size = dist.get_world_size() if distributed() else 1
     t0 = time.perf_counter()
     old_logps = recompute_logprobs(model, prompts, responses, args, pad_id, autocast)
     ref_logps = recompute_logprobs(ref_model, prompts, responses, args, pad_id, autocast) if ref_model is not None else None
     logprob_s = time.perf_counter() - t0
 
     model.train()
-    stats = defaultdict(list)
-    real_tokens = padded_tokens = trained_tokens = 0
+    sums = defaultdict(float)
+    grad_norms = []
+    real_tokens = padded_tokens = 0
     t0 = time.perf_counter()
-    n = len(prompts)
+    num_minibatches = max(1, math.ceil(all_reduce([len(prompts)])[0] / args.minibatch_size))
     for _ in range(args.update_epochs):
-        perm = torch.randperm(n, generator=generator).tolist()
-        for start in range(0, n, args.minibatch_size):
-            minibatch = perm[start : start + args.minibatch_size]
-            minibatch_tokens = sum(len(responses[i]) for i in minibatch)
-            lengths = [len(prompts[i]) + len(responses[i]) for i in minibatch]
+        perm = torch.randperm(len(prompts), generator=generator).numpy()
+        for minibatch in np.array_split(perm, num_minibatches):
+            minibatch = minibatch.tolist()
+            # token-mean over the whole (all-rank) minibatch; FSDP averages gradients over ranks
+            minibatch_tokens = all_reduce([sum(len(responses[i]) for i in minibatch)])[0]
+            scale = world_size / max(minibatch_tokens, 1)
             optimizer.zero_grad(set_to_none=True)
-            for micro in pack_micro_batches(lengths, args.micro_batch_tokens):
+            lengths = [len(prompts[i]) + len(responses[i]) for i in minibatch]
+            for micro in lockstep(pack_micro_batches(lengths, args.micro_batch_tokens)):
+                if micro is None:  # this rank has no more samples: a zero-weight pass keeps ranks in step
+                    ids, attn, resp = collate([[pad_id]], [[pad_id]], pad_id)
+                    with autocast():
+                        logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+                    (logp.sum() * 0.0).backward()
+                    continue
                 idx = [minibatch[k] for k in micro]
                 ids, attn, resp = collate([prompts[i] for i in idx], [responses[i] for i in idx], pad_id)
                 real_tokens += int(attn.sum())
@@ -559,36 +658,40 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
                 if ref_logps is not None:
                     kl = kl_k3(logp, torch.cat([ref_logps[i] for i in idx]).to(device))
                     loss = loss + args.kl_coef * kl
-                    stats["losses/kl"].append(kl.sum().item())
-                (loss.sum() / minibatch_tokens).backward()  # token-mean over the whole minibatch
-                stats["losses/policy_loss"].append(pg_loss.sum().item())
-                stats["losses/entropy"].append(entropy.sum().item())
-                stats["losses/clipfrac"].append(clipped.sum().item())
-                stats["losses/approx_kl_old"].append((old - logp).sum().item())
-                trained_tokens += len(logp)
+                    sums["losses/kl"] += kl.sum().item()
+                (loss.sum() * scale).backward()
+                sums["losses/policy_loss"] += pg_loss.sum().item()
+                sums["losses/entropy"] += entropy.sum().item()
+                sums["losses/clipfrac"] += clipped.sum().item()
+                sums["losses/approx_kl_old"] += (old - logp).sum().item()
+                sums["tokens"] += len(logp)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
             optimizer.step()
-            stats["losses/grad_norm"].append(float(grad_norm))
     update_s = time.perf_counter() - t0
-    metrics = {k: float(np.sum(v) / max(trained_tokens, 1)) for k, v in stats.items() if k != "losses/grad_norm"}
-    metrics["losses/grad_norm"] = float(np.mean(stats["losses/grad_norm"])) if stats["losses/grad_norm"] else 0.0
+    keys = ["losses/policy_loss", "losses/entropy", "losses/clipfrac", "losses/approx_kl_old", "losses/kl", "tokens"]
+    totals = dict(zip(keys, all_reduce([sums[k] for k in keys])))
+    metrics = {k: totals[k] / max(totals["tokens"], 1) for k in keys[:-1]}
+    real_tokens, padded_tokens = all_reduce([real_tokens, padded_tokens])
+    metrics["losses/grad_norm"] = float(np.mean(grad_norms))
     metrics["perf/logprob_s"] = logprob_s
     metrics["perf/update_s"] = update_s
     metrics["perf/train_tokens_per_s"] = real_tokens / max(update_s, 1e-9)
     metrics["perf/padding_efficiency"] = real_tokens / max(padded_tokens, 1)
-    metrics["perf/optimizer_steps"] = float(len(stats["losses/grad_norm"]))
+    metrics["perf/optimizer_steps"] = float(len(grad_norms))
     return metrics
 
 
 # ----------------------------------------------------------------------------------------------
 # Evaluation, logging, checkpoints
 # ----------------------------------------------------------------------------------------------
-def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: list[str]) -> dict:
-    """One episode per held-out task at the eval temperature; the training RNG is left untouched."""
+def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: list[str], rank: int, world_size: int) -> dict:
+    """One episode per held-out task (split over ranks) at the eval temperature; the training RNG
+    is left untouched, so when and how often we evaluate never changes the training run."""
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-        episodes = [Episode(task_id, group) for group, task_id in enumerate(eval_tasks)]
+        episodes = [Episode(task_id, group) for group, task_id in enumerate(eval_tasks) if group % world_size == rank]
         rollout(spec, runner, tokenizer, generate, args, episodes, args.eval_temperature, "eval")
-    return episode_metrics(episodes, args.success_reward, "eval")
+    return episode_metrics(all_gather_objects([episode_stats(e) for e in episodes]), args.success_reward, "eval")
 
 
 def log_metrics(writer, run_dir: Path, metrics: dict, iteration: int) -> None:
@@ -617,19 +720,48 @@ def set_rng_state(state: dict, task_rng) -> None:
     task_rng.bit_generator.state = state["tasks"]
 
 
-def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, iteration: int, args: Args, task_rng, method_state: dict) -> None:
-    """HF model + optimizer + RNG + iteration (+ method state), written to a temp dir, then renamed."""
+def save_checkpoint(run_dir: Path, model, plain_model, tokenizer, optimizer, iteration: int, args: Args, task_rng, method_state: dict, rank: int) -> None:
+    """HF model (gathered full weights) + optimizer (torch.distributed.checkpoint, sharded as
+    trained) + per-rank RNG + iteration + method state, written to a temp dir, then renamed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
     final, tmp, old = run_dir / "checkpoint", run_dir / "checkpoint.tmp", run_dir / "checkpoint.old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp / "model")
-    tokenizer.save_pretrained(tmp / "model")
-    trainer_state = {"iteration": iteration, "optimizer": optimizer.state_dict(), "rng": rng_state(task_rng), "method": method_state}
-    torch.save(trainer_state, tmp / "trainer_state.pt")
-    (tmp / "args.json").write_text(json.dumps(asdict(args), indent=2))
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:  # plain_model: an unwrapped HF model of the same class, so config.json names the real architecture
+        plain_model.save_pretrained(tmp / "model", state_dict=weights)
+        tokenizer.save_pretrained(tmp / "model")
+        torch.save({"iteration": iteration, "method": method_state}, tmp / "trainer_state.pt")
+        (tmp / "args.json").write_text(json.dumps(asdict(args), indent=2))
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(tmp / "optimizer"))
+    torch.save(rng_state(task_rng), tmp / f"rng_{rank}.pt")
+    barrier()
+    if rank == 0:
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()
+
+
+def load_checkpoint(run_dir: Path, model, optimizer, task_rng, rank: int) -> tuple[int, dict]:
+    """Optimizer, RNG, iteration and method state of a checkpoint (the weights were loaded with the model)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    ckpt = run_dir / "checkpoint"
+    if not (ckpt / f"rng_{rank}.pt").exists():
+        fail(f"--resume {run_dir}: the checkpoint was written by fewer processes; resume with the same world size")
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=str(ckpt / "optimizer"))
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    set_rng_state(torch.load(ckpt / f"rng_{rank}.pt", weights_only=False), task_rng)
+    trainer_state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    return trainer_state["iteration"], trainer_state["method"]
 
 
 def load_run_args(run_dir: str, cli: Args) -> Args:
@@ -653,32 +785,38 @@ if __name__ == "__main__":
         fail(str(e))
     args = resolve_args(args, spec)
     model_path = resolve_model(args.model)
+    rank, world_size, device = init_distributed(args)
+    is_main = rank == 0
+    if args.num_tasks < world_size:
+        fail(f"--num-tasks {args.num_tasks} is below the number of processes {world_size}: every rank needs a group")
     if args.resume:
         run_dir = Path(args.resume)
     else:
-        args.run_name = f"{args.env}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        args.run_name = all_gather_objects([f"{args.env}__{args.exp_name}__{args.seed}__{int(time.time())}"])[0]
         run_dir = Path(args.output_dir) / args.run_name
         run_dir.mkdir(parents=True, exist_ok=True)
-    if args.track:
+    if args.track and is_main:
         import wandb
 
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args), name=args.run_name, save_code=True, resume="allow")
-    from torch.utils.tensorboard import SummaryWriter
+    writer = None
+    if is_main:
+        from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(str(run_dir))
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+        writer = SummaryWriter(str(run_dir))
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
 
-    # TRY NOT TO MODIFY: seeding
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    # TRY NOT TO MODIFY: seeding (ranks sample differently; tasks are drawn by the same seed everywhere)
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     use_bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)  # noqa: E731
 
     # Policy, reference, generator, optimizer
-    tokenizer, model = load_policy(args.resume + "/checkpoint/model" if args.resume else args.model, device)
+    policy_path = args.resume + "/checkpoint/model" if args.resume else args.model
+    tokenizer, model = load_policy(policy_path, device)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     use_vllm = (device.type == "cuda" and importlib.util.find_spec("vllm") is not None) if args.vllm is None else args.vllm
@@ -686,17 +824,25 @@ if __name__ == "__main__":
         fail("--vllm needs a CUDA GPU")
     llm = None
     if use_vllm:
-        llm = make_vllm(args, args.resume + "/checkpoint/model" if args.resume else model_path)
-        random.seed(args.seed)  # vLLM re-seeds the global RNGs while it starts
-        np.random.seed(args.seed)
-        torch.manual_seed(args.seed)
+        llm = make_vllm(args, policy_path if args.resume else model_path)
+        random.seed(args.seed + rank)  # vLLM re-seeds the global RNGs while it starts
+        np.random.seed(args.seed + rank)
+        torch.manual_seed(args.seed + rank)
+    plain_model = model  # generates (HF) and names the architecture in saved checkpoints
+    if world_size > 1:  # FSDP shards `model`; a full copy per rank generates (on CPU when vLLM does)
+        plain_model = load_policy(policy_path, torch.device("cpu") if use_vllm else device)[1].eval()
+        plain_model.requires_grad_(False)
+        if use_bf16 and not use_vllm:
+            plain_model.to(torch.bfloat16)
+        model = shard_model(model, use_bf16)
+    if use_vllm:
 
         def generate(prompts, temperature):
             return generate_vllm(llm, prompts, args.max_new_tokens, temperature, args.top_p)
     else:
 
         def generate(prompts, temperature):
-            return generate_hf(model, tokenizer, prompts, args.max_new_tokens, temperature, args.top_p, autocast)
+            return generate_hf(plain_model, tokenizer, prompts, args.max_new_tokens, temperature, args.top_p, autocast)
 
     ref_model = None
     if args.kl_coef > 0:
@@ -704,8 +850,10 @@ if __name__ == "__main__":
         ref_model.requires_grad_(False).eval()
         if use_bf16:
             ref_model.to(torch.bfloat16)  # frozen: bf16 storage loses nothing that is trained
+        if world_size > 1:
+            ref_model = shard_model(ref_model, use_bf16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    update_generator = torch.Generator().manual_seed(args.seed)
+    update_generator = torch.Generator().manual_seed(args.seed + rank)
 
     # Tasks: training tasks sampled per iteration; a fixed held-out list for evaluation
     train_tasks = spec.task_ids(spec.preset.train_split)
@@ -715,27 +863,27 @@ if __name__ == "__main__":
     eval_rng = np.random.default_rng(args.seed + 1000)
     eval_tasks = [eval_pool[k] for k in sorted(eval_rng.choice(len(eval_pool), min(args.num_eval_tasks, len(eval_pool)), replace=False))]
     task_rng = np.random.default_rng(args.seed)
+    my_groups = range(rank * args.num_tasks // world_size, (rank + 1) * args.num_tasks // world_size)
     method_state = {}
 
     start_iteration = 0
     if args.resume:
-        state = torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
-        set_rng_state(state["rng"], task_rng)
-        start_iteration = state["iteration"]
-        method_state = state["method"]
-        update_generator.set_state(state["method"].get("update_generator", update_generator.get_state()))
-        print(f"resumed {run_dir} at iteration {start_iteration}")
+        start_iteration, method_state = load_checkpoint(run_dir, model, optimizer, task_rng, rank)
+        update_generator.set_state(method_state[f"update_generator_{rank}"])
+        if is_main:
+            print(f"resumed {run_dir} at iteration {start_iteration}")
 
     runner = envs.EnvRunner(spec, args.num_env_workers)
     try:
         if start_iteration == 0:
-            log_metrics(writer, run_dir, evaluate(spec, runner, tokenizer, generate, args, eval_tasks), 0)
-        for iteration in tqdm(range(start_iteration + 1, args.total_iterations + 1), desc=args.exp_name, initial=start_iteration, total=args.total_iterations):
+            metrics = evaluate(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size)
+            if is_main:
+                log_metrics(writer, run_dir, metrics, 0)
+        for iteration in tqdm(range(start_iteration + 1, args.total_iterations + 1), desc=args.exp_name, initial=start_iteration, total=args.total_iterations, disable=not is_main):
             iteration_start = time.perf_counter()
-            # ROLLOUT: num_tasks groups of group_size episodes, each group on one task
+            # ROLLOUT: num_tasks groups of group_size episodes, each group on one task; this rank plays my_groups
             tasks = task_rng.choice(len(train_tasks), args.num_tasks, replace=len(train_tasks) < args.num_tasks)
-            episodes = [Episode(train_tasks[k], group) for group, k in enumerate(tasks) for _ in range(args.group_size)]
+            episodes = [Episode(train_tasks[tasks[group]], group) for group in my_groups for _ in range(args.group_size)]
             timing = rollout(spec, runner, tokenizer, generate, args, episodes, args.temperature, "rollout")
             rollout_s = time.perf_counter() - iteration_start
 
@@ -752,27 +900,35 @@ if __name__ == "__main__":
             metrics = update_policy(model, ref_model, optimizer, prompts, responses, advantages, args, tokenizer.pad_token_id, autocast, update_generator)
             if llm is not None:
                 sync_vllm_weights(llm, model, args.vllm_sleep)
+            elif plain_model is not model:
+                sync_generation_weights(plain_model, model)
 
-            metrics.update(episode_metrics(episodes, args.success_reward, "charts"))
+            metrics.update(episode_metrics(all_gather_objects([episode_stats(e) for e in episodes]), args.success_reward, "charts"))
+            totals = all_reduce([np.abs(advantages).sum(), len(turns), sum(map(len, prompts)), sum(map(len, responses)), timing["gen_tokens"]])
             metrics.update({
-                "charts/advantage_abs_mean": float(np.abs(advantages).mean()) if len(advantages) else 0.0,
+                "charts/advantage_abs_mean": totals[0] / max(totals[1], 1),
                 "perf/rollout_s": rollout_s,
                 "perf/gen_s": timing["gen_s"],
                 "perf/env_s": timing["env_s"],
-                "perf/gen_tokens_per_s": timing["gen_tokens"] / max(timing["gen_s"], 1e-9),
+                "perf/gen_tokens_per_s": totals[4] / max(timing["gen_s"], 1e-9),
                 "perf/iteration_s": time.perf_counter() - iteration_start,
-                "tokens/prompt": float(sum(len(p) for p in prompts)),
-                "tokens/response": float(sum(len(r) for r in responses)),
-                "tokens/samples": float(len(turns)),
+                "tokens/prompt": totals[2],
+                "tokens/response": totals[3],
+                "tokens/samples": totals[1],
             })
             if iteration % args.eval_every == 0 or iteration == args.total_iterations:
-                metrics.update(evaluate(spec, runner, tokenizer, generate, args, eval_tasks))
-            log_metrics(writer, run_dir, metrics, iteration)
-            tqdm.write(f"iter {iteration}: success {metrics['charts/success_rate']:.3f} invalid {metrics['charts/invalid_action_rate']:.3f} "
-                       f"return {metrics['charts/episode_return']:.2f} ({metrics['perf/iteration_s']:.1f}s)")
+                metrics.update(evaluate(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size))
+            if is_main:
+                log_metrics(writer, run_dir, metrics, iteration)
+                tqdm.write(f"iter {iteration}: success {metrics['charts/success_rate']:.3f} invalid {metrics['charts/invalid_action_rate']:.3f} "
+                           f"return {metrics['charts/episode_return']:.2f} ({metrics['perf/iteration_s']:.1f}s)")
             if iteration % args.save_every == 0 or iteration == args.total_iterations:
-                method_state["update_generator"] = update_generator.get_state()
-                save_checkpoint(run_dir, model, tokenizer, optimizer, iteration, args, task_rng, method_state)
+                for r, state in enumerate(all_gather_objects([update_generator.get_state()])):
+                    method_state[f"update_generator_{r}"] = state
+                save_checkpoint(run_dir, model, plain_model, tokenizer, optimizer, iteration, args, task_rng, method_state, rank)
     finally:
         runner.close()
-        writer.close()
+        if writer is not None:
+            writer.close()
+        if distributed():
+            dist.destroy_process_group()

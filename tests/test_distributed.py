@@ -1,0 +1,61 @@
+"""torchrun + FSDP2 (gloo on CPU): the 2-process update equals the 1-process one, and grpo.py runs,
+checkpoints once and resumes under torchrun."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_grpo_e2e import TINY_FLAGS, only_run, read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def torchrun(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_two_process_update_matches_one_process(tiny_model, tmp_path):
+    sys.path.insert(0, str(REPO / "tests"))
+    import dist_update_check as check
+    from transformers import AutoModelForCausalLM
+
+    out = torchrun("tests/dist_update_check.py", tiny_model, str(tmp_path / "dist.pt"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    dist = torch.load(tmp_path / "dist.pt", weights_only=False)
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    single = check.update(model, list(range(len(check.PROMPTS))), False)
+    moved = 0.0
+    for name, value in model.state_dict().items():
+        assert torch.allclose(dist["weights"][name], value, atol=1e-6, rtol=1e-5), name
+        moved = max(moved, (value - before[name]).abs().max().item())
+    assert moved > 1e-4  # the update really changed the weights, so the comparison means something
+    for key in ["losses/policy_loss", "losses/entropy", "losses/grad_norm", "perf/optimizer_steps"]:
+        assert dist["metrics"][key] == pytest.approx(single[key], rel=1e-5, abs=1e-8), key
+
+
+def test_grpo_under_torchrun_checkpoints_once_and_resumes(tiny_model, tmp_path):
+    flags = [f for f in TINY_FLAGS]
+    flags[flags.index("--num-env-workers") + 1] = "1"
+    out = torchrun("grpo.py", "--model", tiny_model, *flags, "--total-iterations", "2", "--output-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = only_run(tmp_path)  # one run directory, one checkpoint, both ranks' RNG in it
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint"]
+    ckpt = run / "checkpoint"
+    assert (ckpt / "rng_0.pt").exists() and (ckpt / "rng_1.pt").exists() and (ckpt / "optimizer").is_dir()
+    assert json.loads((ckpt / "model" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    metrics = read_metrics(run)
+    assert sorted(metrics) == [0, 1, 2]
+    assert 4 <= metrics[1]["tokens/samples"] <= 12  # both ranks' groups (2 tasks x 2 episodes) counted
+
+    resumed = torchrun("grpo.py", "--resume", str(run), "--total-iterations", "3")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed {run} at iteration 2" in resumed.stdout
+    assert sorted(read_metrics(run)) == [0, 1, 2, 3]
