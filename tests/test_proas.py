@@ -1,0 +1,316 @@
+"""proas.py: ProAS labels, Eq. 7 shaping and its ablations by hand, graphs of real games, end to end."""
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import envs
+import grpo
+import proas
+from proas import Episode, Turn
+
+# Abstract states for the hand cases: the reference path takes the apple, then the knife, then slices.
+S0 = frozenset({"on(apple, table)", "on(knife, table)"})
+S1 = frozenset({"in(apple, I)", "on(knife, table)"})
+S2 = frozenset({"in(apple, I)", "in(knife, I)"})
+S3 = frozenset({"in(apple, I)", "in(knife, I)", "sliced(apple)"})
+DETOUR = frozenset({"at(apple, kitchen)", "on(knife, table)"})  # the apple dropped on the floor
+KNIFE_FIRST = frozenset({"on(apple, table)", "in(knife, I)"})
+REFERENCE = ["take apple", "take knife", "slice apple with knife"]
+
+
+def hand_graph():
+    graph = {"task": "slice the apple", "reference_actions": REFERENCE, "vertices": {S0}, "edges": set()}
+    proas.grow_graph(graph, proas.purify([S0, S1, S2, S3], REFERENCE, [True] * 3))
+    return graph
+
+
+def labels(states, actions, edge_match="action", graph=None):
+    re, pa = proas.step_labels(graph or hand_graph(), states, actions, [True] * len(actions), edge_match)
+    return re.tolist(), pa.tolist()
+
+
+# ---- purification and the graph ------------------------------------------------------------------
+def test_purification_drops_self_loops_and_invalid_steps():
+    # examine cookbook changes nothing (s1 == s0): dropped; the malformed 3rd step is dropped even
+    # though the state moved; the remaining step is kept with its action normalised
+    got = proas.purify([S0, S0, S1, S2], ["examine cookbook", "Take  Apple", "take knife"], [True, True, False])
+    assert got == [(S0, "take apple", S1)]
+
+
+def test_strict_union_adds_only_new_vertices_and_edges():
+    graph = hand_graph()
+    assert (len(graph["vertices"]), len(graph["edges"])) == (4, 3)
+    # the same path again adds nothing; the knife-first order adds 1 vertex and 2 edges
+    assert proas.grow_graph(graph, proas.purify([S0, S1, S2], REFERENCE[:2], [True, True])) == 0
+    assert proas.grow_graph(graph, proas.purify([S0, KNIFE_FIRST, S2], ["take knife", "take apple"], [True, True])) == 2
+    assert (len(graph["vertices"]), len(graph["edges"])) == (5, 5)
+
+
+# ---- labels -------------------------------------------------------------------------------------
+def test_successful_trajectory_detour_is_unreasonable_and_masked():
+    # take apple (S1, new vertex), drop apple (off the graph), take apple (back to S1), knife, slice
+    states = [S0, S1, DETOUR, S1, S2, S3]
+    actions = ["take apple", "drop apple", "take apple", "take knife", "slice apple with knife"]
+    re, pa = labels(states, actions)
+    assert re == [1, 0, 1, 1, 1]
+    assert pa == [1, 0, 0, 1, 1]  # the return reaches S1, visited at step 0: reasonable, not advancing
+    shaped, _ = proas.proas_shape([0.5] * 5, re, pa)
+    assert shaped.tolist() == [0.5, 0.0, 0.5, 0.5, 0.5]  # MUI: A~ = Re * A, only the detour is masked
+
+
+def test_return_after_detour_is_reasonable_only_with_action_matching():
+    states, actions = [S0, S1, DETOUR, S1], ["take apple", "drop apple", "take apple"]
+    assert labels(states, actions)[0] == [1, 0, 1]
+    # the literal triple (DETOUR, take apple, S1) is no edge
+    assert labels(states, actions, edge_match="full")[0] == [1, 0, 0]
+
+
+def test_order_swap_reaches_the_same_vertex_and_continues_on_the_graph():
+    # knife first, then apple: frozensets make the state after both the reference vertex S2
+    states = [S0, KNIFE_FIRST, S2, S3]
+    re, pa = labels(states, ["take knife", "take apple", "slice apple with knife"])
+    assert states[2] in hand_graph()["vertices"]
+    assert re == [0, 0, 1] and pa == [0, 0, 1]  # the swapped steps are no edges of G^(k); slicing is
+    assert labels(states, ["take knife", "take apple", "slice apple with knife"], edge_match="full")[0] == [0, 0, 1]
+
+
+def test_malformed_step_is_never_reasonable_even_when_it_moves_on_the_path():
+    re, pa = proas.step_labels(hand_graph(), [S0, S1], ["take apple"], [False])
+    assert re.tolist() == [0] and pa.tolist() == [0]
+
+
+def test_future_drift_counts_the_non_advancing_steps_from_t_on():
+    # PA = [1, 0, 0, 1, 0, 0]: 1 - PA = [0, 1, 1, 0, 1, 1]; suffix sums from the end
+    assert proas.future_drift([1, 0, 0, 1, 0, 0]).tolist() == [4, 4, 3, 2, 2, 1]
+
+
+# ---- Eq. 7 and its ablations on one trajectory ----------------------------------------------------
+FAILED_PA = [1, 0, 0, 1, 0, 0]
+
+
+def test_apr_weights_early_steps_more():
+    # D = [4, 4, 3, 2, 2, 1]; T = non-advancing steps {1, 2, 4, 5}: D_T = [4, 3, 2, 1], mean 2.5
+    # weights 4/2.5 = 1.6, 3/2.5 = 1.2, 2/2.5 = 0.8, 1/2.5 = 0.4; advancing steps 0 and 3 keep A = -1
+    shaped, weights = proas.proas_shape([-1.0] * 6, FAILED_PA, FAILED_PA)
+    assert shaped.tolist() == pytest.approx([-1.0, -1.6, -1.2, -1.0, -0.8, -0.4], rel=1e-5)
+    assert np.isnan(weights[[0, 3]]).all() and weights[[1, 2, 4, 5]].tolist() == pytest.approx([1.6, 1.2, 0.8, 0.4], rel=1e-5)
+    assert weights[[1, 2, 4, 5]].mean() == pytest.approx(1.0, rel=1e-5)  # APR redistributes, keeps the total over T
+
+
+def test_apr_set_all_and_suffix_drift():
+    # --apr-set all: T = every step, mean D = 16 / 6; weights D * 6 / 16
+    shaped, _ = proas.proas_shape([-1.0] * 6, FAILED_PA, FAILED_PA, apr_set="all")
+    assert shaped.tolist() == pytest.approx([-1.5, -1.5, -1.125, -0.75, -0.75, -0.375], rel=1e-5)
+    # suffix: D = |tau| - t + 1 = [6, 5, 4, 3, 2, 1]; over T {1, 2, 4, 5}: [5, 4, 2, 1], mean 3
+    shaped, _ = proas.proas_shape([-1.0] * 6, FAILED_PA, FAILED_PA, shaping="suffix")
+    assert shaped.tolist() == pytest.approx([-1.0, -5 / 3, -4 / 3, -1.0, -2 / 3, -1 / 3], rel=1e-5)
+
+
+def test_msk_zeroes_advancing_negative_steps_and_keeps_plain_a_elsewhere():
+    re = [1, 0, 0, 1, 0, 0]
+    shaped, weights = proas.proas_shape([-1.0] * 6, re, FAILED_PA, shaping="msk")
+    assert shaped.tolist() == [0.0, -1.0, -1.0, 0.0, -1.0, -1.0]
+    assert np.isnan(weights).all()
+
+
+def test_zero_advantage_is_left_alone():
+    shaped, _ = proas.proas_shape([0.0, 0.0], [0, 1], [0, 1])
+    assert shaped.tolist() == [0.0, 0.0]
+
+
+# ---- the batch: every ablation on one batch, none == grpo.py -----------------------------------------
+# group 0: a won episode (3 steps, Re [1, 0, 1], PA [1, 0, 1]) and a lost one (4 steps, Re = PA = [0, 1, 0, 0]);
+# group 1: two episodes of a task without a graph (labels None): never shaped.
+SCORES = np.array([10.0, 10.0, 10.0, 0.0, 0.0, 0.0, 0.0, 10.0, 0.0])
+GROUPS = np.array([0, 0, 0, 0, 0, 0, 0, 1, 1])
+LENGTHS = [3, 4, 1, 1]
+LABELS = [(np.array([1.0, 0, 1]), np.array([1.0, 0, 1])), (np.array([0.0, 1, 0, 0]), np.array([0.0, 1, 0, 0])), None, None]
+# group 0: mean 30/7, squared deviations 3 (40/7)^2 + 4 (30/7)^2 = 8400/49, unbiased var 8400/294 = 200/7
+STD0 = math.sqrt(200 / 7)
+WIN, LOSS = (40 / 7) / (STD0 + 1e-6), -(30 / 7) / (STD0 + 1e-6)  # 1.069045, -0.801784
+# lost PA [0, 1, 0, 0]: D = [3, 2, 2, 1]; T = {0, 2, 3}: D_T = [3, 2, 1], mean 2 -> weights 1.5, 1, 0.5
+# suffix: D = [4, 3, 2, 1]; D_T = [4, 2, 1], mean 7/3 -> weights 12/7, 6/7, 3/7
+EXPECTED = {
+    "none": [WIN, WIN, WIN, LOSS, LOSS, LOSS, LOSS],
+    "proas": [WIN, 0, WIN, 1.5 * LOSS, LOSS, 1.0 * LOSS, 0.5 * LOSS],
+    "no-mui": [WIN, WIN, WIN, 1.5 * LOSS, LOSS, 1.0 * LOSS, 0.5 * LOSS],
+    "no-apr": [WIN, 0, WIN, LOSS, LOSS, LOSS, LOSS],
+    "msk": [WIN, 0, WIN, LOSS, 0, LOSS, LOSS],
+    "suffix": [WIN, 0, WIN, 12 / 7 * LOSS, LOSS, 6 / 7 * LOSS, 3 / 7 * LOSS],
+}
+
+
+@pytest.mark.parametrize("shaping", list(EXPECTED))
+def test_every_shaping_ablation_on_one_batch(shaping):
+    baseline, shaped, _ = proas.proas_advantages(SCORES, GROUPS, LENGTHS, LABELS, shaping, "nonadvancing", 1e-6, 1.0)
+    assert baseline.tolist() == pytest.approx(grpo.grpo_advantages(SCORES, GROUPS).tolist(), rel=1e-12)
+    assert shaped[:7].tolist() == pytest.approx(EXPECTED[shaping], rel=1e-5, abs=1e-12)
+    assert shaped[7:].tolist() == baseline[7:].tolist()
+    assert baseline[7] == pytest.approx(5 / (math.sqrt(50) + 1e-6))  # group 1: mean 5, std sqrt(50): no graph, unshaped
+
+
+def test_shaping_none_equals_grpo_advantages_exactly():
+    _, shaped, weights = proas.proas_advantages(SCORES, GROUPS, LENGTHS, LABELS, "none", "nonadvancing", 1e-6, 1.0)
+    assert np.array_equal(shaped, grpo.grpo_advantages(SCORES, GROUPS)) and np.isnan(weights).all()
+
+
+def test_progress_reward_adds_c_pa_to_step_scores_instead_of_shaping():
+    # scores + 2 * PA: group 0 [12, 10, 12, 0, 2, 0, 0], mean 36/7; group 1 unchanged
+    baseline, shaped, _ = proas.proas_advantages(SCORES, GROUPS, LENGTHS, LABELS, "pr", "nonadvancing", 1e-6, 2.0)
+    s = np.array([12.0, 10, 12, 0, 2, 0, 0])
+    expected = (s - 36 / 7) / (math.sqrt(((s - 36 / 7) ** 2).sum() / 6) + 1e-6)
+    assert shaped[:7].tolist() == pytest.approx(expected.tolist(), rel=1e-9)
+    assert np.array_equal(shaped, baseline)  # no Eq. 7 on top
+
+
+def test_random_labels_permute_pairs_across_the_batch():
+    rng = np.random.default_rng(0)
+    out = proas.permute_labels(LABELS, rng)
+    assert out[2] is None and out[3] is None and [len(o[0]) for o in out[:2]] == [3, 4]
+    before = sorted(zip(np.concatenate([LABELS[0][0], LABELS[1][0]]), np.concatenate([LABELS[0][1], LABELS[1][1]])))
+    after = list(zip(np.concatenate([out[0][0], out[1][0]]), np.concatenate([out[0][1], out[1][1]])))
+    assert sorted(after) == before  # same (Re, PA) pairs, PA <= Re still
+    assert [tuple(map(float, p)) for p in after] != [tuple(map(float, p)) for p in zip(np.concatenate([LABELS[0][0], LABELS[1][0]]), np.concatenate([LABELS[0][1], LABELS[1][1]]))]
+
+
+def test_edge_drop_removes_a_seeded_fraction_of_edges():
+    graph = hand_graph()
+    proas.drop_edges(graph, 0.4, seed=7)  # round(0.4 * 3) = 1 edge of 3 removed; vertices kept
+    assert (len(graph["vertices"]), len(graph["edges"])) == (4, 2)
+    again = hand_graph()
+    proas.drop_edges(again, 0.4, seed=7)
+    assert again["edges"] == graph["edges"]
+
+
+# ---- real cooking games ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cooking_runner(cooking_spec):
+    runner = envs.EnvRunner(cooking_spec, 2)
+    yield runner
+    runner.close()
+
+
+def play(spec, task_id: str, actions: list[str], group: int = 0) -> Episode:
+    """An Episode of the real game, with its raw states, played with the given actions."""
+    env = spec.make()
+    try:
+        obs = env.reset(task_id)
+        episode = Episode(task_id, group, task=obs.task, task_type=obs.task_type)
+        for a in actions:
+            result = env.step(a)
+            episode.turns.append(Turn([], [], a, True, obs.observation, obs.state, result.state))
+            obs = result
+        episode.won = obs.won
+    finally:
+        env.close()
+    return episode
+
+
+SWAP = ["close fridge", "open fridge", "take knife from table", "take red apple from counter", "take red potato from counter",
+        "dice red potato with knife", "drop knife", "prepare meal", "eat meal"]
+
+
+def test_reference_graph_of_a_real_cooking_game(cooking_spec, cooking_runner):
+    graphs = proas.replay_reference(cooking_spec, cooking_runner, ["train-cut-0"])
+    graph = graphs["train-cut-0"]
+    # walkthrough: inventory, examine cookbook (self-loops: dropped), take red potato from counter,
+    # take knife from table, dice red potato with knife, drop knife, prepare meal, eat meal: 6 edges, 7 vertices
+    assert (len(graph["vertices"]), len(graph["edges"])) == (7, 6)
+    assert [a for _, a, _ in graph["edges"]].count("take red potato from counter") == 1
+    assert all(s != s_next for s, _, s_next in graph["edges"])
+    # Table 2b imperfect graph: round(0.4 * 6) = 2 edges removed
+    dropped = proas.replay_reference(cooking_spec, cooking_runner, ["train-cut-0"], edge_drop=0.4, seed=1)["train-cut-0"]
+    assert len(dropped["edges"]) == 4 and dropped["edges"] < graph["edges"]
+
+
+def test_real_game_irrelevant_actions_swap_labels_then_growth(cooking_spec, cooking_runner):
+    graphs = proas.replay_reference(cooking_spec, cooking_runner, ["train-cut-0"])
+    episode = play(cooking_spec, "train-cut-0", SWAP)
+    assert episode.won
+    states = proas.episode_states(cooking_spec, graphs["train-cut-0"], episode)
+    # closing / opening the fridge and taking the red apple (none in the goal or the walkthrough)
+    # leave the projected state unchanged, though the raw facts change
+    assert states[0] == states[1] == states[2] and states[3] == states[4]
+    assert episode.turns[0].state != episode.turns[0].next_state
+    # knife then potato reaches the reference vertex (both held) in the other order
+    assert states[5] in graphs["train-cut-0"]["vertices"] and states[3] not in graphs["train-cut-0"]["vertices"]
+
+    # labels of iteration k come from G^(k): the swapped steps are not edges yet; then the won episode grows it
+    labels, added = proas.label_then_grow(cooking_spec, graphs, [episode], "action")
+    assert labels[0][0].tolist() == [0, 0, 0, 0, 0, 1, 1, 1, 1]
+    assert labels[0][1].tolist() == [0, 0, 0, 0, 0, 1, 1, 1, 1]
+    # growth: purification drops the 3 self-loops; the knife-first vertex and its 2 edges are new
+    assert added == 2 and (len(graphs["train-cut-0"]["vertices"]), len(graphs["train-cut-0"]["edges"])) == (8, 8)
+    # G^(k+1) labels the same path as reasonable and advancing
+    labels, added = proas.label_then_grow(cooking_spec, graphs, [episode], "action")
+    assert labels[0][0].tolist() == [0, 0, 1, 0, 1, 1, 1, 1, 1] and added == 0
+    # in the successful trajectory MUI masks the 3 remaining unreasonable steps
+    stats = proas.proas_metrics([episode.won], [episode.task_id], labels, np.ones(9), proas.proas_shape(np.ones(9), *labels[0])[0], np.full(9, np.nan), graphs)
+    assert stats["proas/masked_frac"] == pytest.approx(3 / 9) and stats["proas/mui_zeroed_frac"] == pytest.approx(3 / 9)
+
+
+def test_static_arg_never_grows_and_failed_episodes_never_grow(cooking_spec, cooking_runner):
+    graphs = proas.replay_reference(cooking_spec, cooking_runner, ["train-cut-0"])
+    won = play(cooking_spec, "train-cut-0", SWAP)
+    lost = play(cooking_spec, "train-cut-0", SWAP[:6], group=0)  # diced, never eaten
+    assert not lost.won
+    _, added = proas.label_then_grow(cooking_spec, graphs, [won], "action", grow=False)
+    _, added_lost = proas.label_then_grow(cooking_spec, graphs, [lost], "action")
+    assert added == added_lost == 0 and len(graphs["train-cut-0"]["edges"]) == 6
+    # a task without a graph stays unlabelled
+    labels, _ = proas.label_then_grow(cooking_spec, {"train-cut-0": None}, [won], "action")
+    assert labels == [None]
+
+
+ALFWORLD_DATA = Path(os.environ.get("ALFWORLD_DATA", Path(__file__).resolve().parents[2] / "shared" / "data" / "alfworld"))
+
+
+def test_reference_graph_of_an_alfworld_game():
+    if not (ALFWORLD_DATA / "json_2.1.1").is_dir():
+        pytest.skip(f"ALFWorld games not found at {ALFWORLD_DATA}")
+    try:
+        spec = envs.load("alfworld", data=str(ALFWORLD_DATA))
+        task = spec.task_ids("eval_in_distribution")[0]
+    except (envs.EnvUnavailable, ValueError) as e:
+        pytest.skip(str(e))
+    with envs.EnvRunner(spec, 1) as runner:
+        graph = proas.replay_reference(spec, runner, [task])[task]
+        plan = runner.reference_actions([task])[0]
+    assert graph is not None, "the walkthrough replay should win"
+    # a path: one vertex more than edges, at most one edge per walkthrough step
+    assert len(graph["vertices"]) == len(graph["edges"]) + 1 and 1 <= len(graph["edges"]) <= len(plan)
+
+
+# ---- end to end -----------------------------------------------------------------------------------
+def test_two_iterations_log_proas_metrics_and_resume_keeps_the_graph(tiny_model, tmp_path):
+    from test_grpo_e2e import TINY_FLAGS, only_run, read_metrics, run_script
+
+    out = run_script("proas.py", "--model", tiny_model, *TINY_FLAGS, "--total-iterations", "2", "--output-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = only_run(tmp_path)
+    metrics = read_metrics(run)
+    assert sorted(metrics) == [0, 1, 2]
+    for key in ["proas/re_mean", "proas/pa_mean", "proas/mui_zeroed_frac", "proas/graph_vertices", "proas/graph_edges",
+                "proas/graphs", "proas/graph_edges_added", "proas/apr_frac", "losses/policy_loss", "charts/success_rate"]:
+        assert key in metrics[2], key
+    assert metrics[1]["proas/graphs"] >= 1 and metrics[1]["proas/graph_edges"] >= 1  # replayed walkthroughs
+
+    # resume: the checkpoint's graphs are used as they are (a marker edge survives), not rebuilt
+    state_path = run / "checkpoint" / "trainer_state.pt"
+    state = torch.load(state_path, weights_only=False)
+    graphs = state["method"]["proas_graphs"]
+    task = next(t for t, g in graphs.items() if g)
+    marker = (frozenset({"marker"}), "xyzzy", frozenset({"marker", "2"}))
+    graphs[task]["edges"].add(marker)
+    torch.save(state, state_path)
+    resumed = run_script("proas.py", "--resume", str(run), "--total-iterations", "3", "--no-gradient-checkpointing")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = torch.load(state_path, weights_only=False)
+    assert after["iteration"] == 3 and marker in after["method"]["proas_graphs"][task]["edges"]
+    assert set(graphs) <= set(after["method"]["proas_graphs"])
+    assert "proas/re_mean" in read_metrics(run)[3]
