@@ -59,3 +59,23 @@ def test_grpo_under_torchrun_checkpoints_once_and_resumes(tiny_model, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed {run} at iteration 2" in resumed.stdout
     assert sorted(read_metrics(run)) == [0, 1, 2, 3]
+
+
+# Each method file under torchrun: 2 processes, 1 iteration, its own smallest settings.
+METHOD_FLAGS = {
+    "gigpo.py": [],
+    "proas.py": [],
+    "strata.py": ["--num-strategies", "2", "--episodes-per-strategy", "2", "--oversample", "2", "--max-prompt-tokens", "400"],
+    "actguide.py": ["--probe-episodes", "1", "--max-probe-rounds", "1", "--max-steps", "2", "--max-new-tokens", "8"],
+    "pats.py": ["--reviewer", "rules"],
+}
+
+
+@pytest.mark.parametrize("method", [m for m in METHOD_FLAGS if (REPO / m).exists()])
+def test_method_runs_under_torchrun(tiny_model, tmp_path, method):
+    flags = [*TINY_FLAGS, "--num-env-workers", "1", "--num-eval-tasks", "2", "--eval-every", "5", *METHOD_FLAGS[method]]
+    out = torchrun(method, "--model", tiny_model, *flags, "--total-iterations", "1", "--output-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = only_run(tmp_path)
+    assert sorted(read_metrics(run)) == [0, 1]
+    assert (run / "checkpoint" / "rng_1.pt").exists()
