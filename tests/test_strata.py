@@ -1,0 +1,238 @@
+"""strata.py: StraTA's pieces against numbers computed by hand, the strategy in every step prompt of a
+real cooking rollout, and the script end to end through its CLI."""
+
+import contextlib
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import strata
+from test_grpo_e2e import TINY_FLAGS, read_metrics, only_run, run_script
+
+# N=2 strategies (from sigma*N = 4 candidates) x M=2 episodes on 1 task; short prompts keep CPU time low
+STRATA_FLAGS = [*TINY_FLAGS, "--num-tasks", "1", "--num-eval-tasks", "1", "--max-prompt-tokens", "400",
+                "--num-strategies", "2", "--episodes-per-strategy", "2", "--oversample", "2"]
+
+
+# ---- farthest-point selection ------------------------------------------------------------------
+def test_farthest_point_sampling_uses_cosine_not_euclidean_distance():
+    emb = np.array([[1.0, 0.0], [5.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])
+    # cosine distances from z0: z1 = 0 (same direction, though 4 away in Euclidean terms), z2 = 1, z3 = 2
+    # -> z3 is added first. Then min distance to {z0, z3}: z1 = min(0, 2) = 0, z2 = min(1, 1) = 1 -> z2; z1 last.
+    assert strata.farthest_point_sampling(emb, 2) == [0, 3]
+    assert strata.farthest_point_sampling(emb, 3) == [0, 3, 2]
+    assert strata.farthest_point_sampling(emb, 4) == [0, 3, 2, 1]
+
+
+def test_farthest_point_sampling_breaks_ties_by_lowest_index_and_caps_at_pool_size():
+    emb = np.ones((4, 3))  # all identical: every distance 0 -> 0, then 1, 2 in order
+    assert strata.farthest_point_sampling(emb, 3) == [0, 1, 2]
+    assert strata.farthest_point_sampling(emb[:2], 5) == [0, 1]
+
+
+def test_diversity_of_chosen_set_beats_the_first_n_candidates():
+    emb = np.array([[1.0, 0.0], [5.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])
+    # chosen {0, 3, 2}: d03 = 2, d02 = 1, d32 = 1 -> 4/3; first three {0, 1, 2}: d01 = 0, d02 = 1, d12 = 1 -> 2/3
+    assert strata.mean_pairwise_distance(emb[[0, 3, 2]]) == pytest.approx(4 / 3)
+    assert strata.mean_pairwise_distance(emb[:3]) == pytest.approx(2 / 3)
+    assert strata.mean_pairwise_distance(emb[:1]) == 0.0
+
+
+# ---- strategy reward --------------------------------------------------------------------------
+def test_top_delta_mean_trusts_only_the_best_episodes():
+    returns = np.array([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0])
+    # delta 0.5 of M=8: top 4 = [1, 1, 1, 0] -> 0.75 (the plain mean would be 3/8)
+    assert strata.top_delta_mean(returns, 0.5) == pytest.approx(0.75)
+    # delta 0.3: ceil(2.4) = 3 -> [1, 1, 1] -> 1.0;  delta 0.25: exactly 2 -> 1.0
+    assert strata.top_delta_mean(returns, 0.3) == pytest.approx(1.0)
+    assert strata.top_delta_mean(returns, 0.25) == pytest.approx(1.0)
+    # at least one episode: delta 0.1 of 3 -> ceil(0.3) = 1 -> the best one
+    assert strata.top_delta_mean(np.array([0.0, 1.0, 0.0]), 0.1) == 1.0
+    # delta 1.0 is the plain mean
+    assert strata.top_delta_mean(returns, 1.0) == pytest.approx(0.375)
+
+
+def test_strategy_reward_length_and_format_penalties_then_clip():
+    returns = np.array([1.0, 0.0, 0.0, 0.0])  # top-0.5 = mean(1, 0) = 0.5
+    kw = dict(delta=0.5, token_budget=128, length_penalty=0.5, format_penalty=0.5)
+    assert strata.strategy_reward(returns, n_tokens=100, tagged=True, **kw) == pytest.approx(0.5)
+    assert strata.strategy_reward(returns, n_tokens=128, tagged=True, **kw) == pytest.approx(0.5)  # at the budget: free
+    # 192 tokens: 0.5 * (192 - 128) / 128 = 0.25 -> 0.25; untagged: - 0.5 -> -0.25
+    assert strata.strategy_reward(returns, n_tokens=192, tagged=True, **kw) == pytest.approx(0.25)
+    assert strata.strategy_reward(returns, n_tokens=192, tagged=False, **kw) == pytest.approx(-0.25)
+    # all lost, 640 tokens: 0 - 0.5 * 512 / 128 = -2 -> clipped to -1
+    assert strata.strategy_reward(np.zeros(4), n_tokens=640, tagged=False, **kw) == -1.0
+    assert strata.strategy_reward(np.ones(4), n_tokens=10, tagged=True, **kw) == 1.0
+
+
+def test_strategy_advantage_is_normalised_over_the_strategies_of_each_task():
+    rewards = np.array([0.75, 0.25, 0.5, 0.5])  # N=2: tasks (0, 1)
+    adv = strata.grpo_advantages(rewards, np.arange(4) // 2)
+    # task 0: mean 0.5, unbiased std sqrt(2 * 0.25^2 / 1) = 0.353553 -> +-0.707105; task 1: equal -> 0
+    assert adv.tolist() == pytest.approx([0.25 / (math.sqrt(0.125) + 1e-6), -0.25 / (math.sqrt(0.125) + 1e-6), 0.0, 0.0])
+
+
+# ---- action level: judged step scores and (task x strategy) groups ----------------------------
+def test_judgment_reward_enters_the_step_score_before_normalisation():
+    rewards = np.array([10.0, 10.0, 10.0, 0.0, 0.0])
+    invalid = np.array([False, True, False, False, True])
+    flagged = np.array([False, False, True, True, False])
+    scores = strata.action_scores(rewards, invalid, flagged, success_reward=10.0, invalid_penalty=0.1, kappa=0.1)
+    # R/10 - 0.1 * invalid - 0.1 * flagged = [1, 0.9, 0.9, -0.1, -0.1]
+    assert scores.tolist() == pytest.approx([1.0, 0.9, 0.9, -0.1, -0.1])
+    adv = strata.grpo_advantages(scores, np.zeros(5, dtype=int))
+    # mean 2.6 / 5 = 0.52; squared deviations .2304 + .1444 + .1444 + .3844 + .3844 = 1.288; var 0.322
+    std = math.sqrt(0.322)
+    assert adv.tolist() == pytest.approx([0.48 / std, 0.38 / std, 0.38 / std, -0.62 / std, -0.62 / std], rel=1e-5)
+    # the flagged step of the won episode gets less than its unflagged sibling; kappa = 0 removes that
+    assert adv[2] < adv[0]
+    no_judge = strata.action_scores(rewards, invalid, flagged, 10.0, 0.1, 0.0)
+    assert no_judge[2] == no_judge[0] == 1.0
+
+
+def _episode(task_id, group, task_group, won, n_steps, flagged=()):
+    e = strata.Episode(task_id, group, task_group=task_group, won=won, flagged=set(flagged))
+    e.turns = [strata.Turn([1], [2], "go", True, "obs", None) for _ in range(n_steps)]
+    return e
+
+
+def test_action_advantages_are_grouped_by_task_and_strategy():
+    N = 2
+    episodes = [
+        _episode("a", 0 * N + 0, 0, True, 2), _episode("a", 0 * N + 0, 0, False, 1),  # task a, strategy 0
+        _episode("a", 0 * N + 1, 0, True, 1), _episode("a", 0 * N + 1, 0, True, 1),  # task a, strategy 1
+    ]
+    turns, groups, rewards, invalid = strata.flatten_turns(episodes, 10.0)
+    assert groups.tolist() == [0, 0, 0, 1, 1]
+    flagged = np.zeros(len(turns), dtype=bool)
+    adv = strata.grpo_advantages(strata.action_scores(rewards, invalid, flagged, 10.0, 0.1, 0.1), groups)
+    # group (a, z0): scores [1, 1, 0], mean 2/3, unbiased var (1/9 + 1/9 + 4/9) / 2 = 1/3 -> +-(1/3)/0.57735
+    s = math.sqrt(1 / 3) + 1e-6
+    assert adv.tolist() == pytest.approx([(1 / 3) / s, (1 / 3) / s, (-2 / 3) / s, 0.0, 0.0])
+    # grouping by task alone (grpo.py) would give strategy 1's won steps (1 - 0.8) / std > 0
+    by_task = strata.grpo_advantages(strata.action_scores(rewards, invalid, flagged, 10.0, 0.1, 0.1), np.zeros(5, dtype=int))
+    assert by_task[3] > 0
+
+
+# ---- self-judgment -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "response, steps, flagged, ok",
+    [
+        ("<think>x</think><judgment>3, 7</judgment>", 8, {3, 7}, True),  # good
+        ("<JUDGMENT>\n[1,2]\n</JUDGMENT>", 4, {1, 2}, True),  # tags are case-insensitive, list syntax ok
+        ("<judgment>none</judgment>", 5, set(), True),  # nothing flagged, parsed
+        ("<judgment></judgment>", 5, set(), True),  # empty, parsed
+        ("I think step 3 was bad", 5, set(), False),  # no tags: garbage
+        ("<judgment>the bad ones</judgment>", 5, set(), False),  # tags without numbers: garbage
+        ("<judgment>0, 2, 9</judgment>", 5, {2}, True),  # 0 and 9 are outside 1..5: they flag nothing
+    ],
+)
+def test_judgment_parsing(response, steps, flagged, ok):
+    assert strata.parse_judgment(response, steps) == (flagged, ok)
+
+
+def test_strategy_parsing_keeps_untagged_text_and_marks_it():
+    assert strata.parse_strategy("<think>a</think><strategy> open fridge, take apple </strategy>") == ("open fridge, take apple", True)
+    assert strata.parse_strategy("  just go north ") == ("just go north", False)
+
+
+# ---- prompts on real cooking games ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tiny_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.padding_side = "left"
+    return tok, AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+
+
+def test_strategy_is_in_every_step_prompt_of_its_episode(tiny, cooking_spec):
+    import envs
+
+    tok, model = tiny
+    args = strata.resolve_args(strata.Args(max_steps=3, max_new_tokens=8, max_prompt_tokens=4096, num_strategies=2, episodes_per_strategy=2), cooking_spec)
+    gen = lambda prompts, temperature, max_new_tokens=None: strata.generate_hf(model, tok, prompts, max_new_tokens or 8, temperature, 1.0, contextlib.nullcontext)  # noqa: E731
+    plans = ["PLAN-ALPHA take the knife first", "PLAN-BETA open the fridge first"]
+    episodes = [strata.Episode("train-easy-0", j, strategy=strata.Strategy([], [], plans[j], True)) for j in range(2) for _ in range(2)]
+    runner = envs.EnvRunner(cooking_spec, 2)
+    try:
+        strata.rollout(cooking_spec, runner, tok, gen, args, episodes, 1.0, "test")
+        # the judge sees each step's observation and action, and the strategy
+        judge_text = tok.decode(strata.judge_prompt(tok, args, episodes[0]))
+    finally:
+        runner.close()
+    for e in episodes:
+        assert len(e.turns) == 3  # the tiny model never wins: every step is played
+        for t in e.turns:
+            text = tok.decode(t.prompt_ids)
+            assert e.strategy.text in text
+            assert plans[1 - e.group] not in text
+    assert "PLAN-ALPHA" in judge_text
+    for k, t in enumerate(episodes[0].turns, 1):
+        assert f"Step {k}: observation: '{t.observation[:300]}', action: '{t.action}'" in judge_text
+
+
+def test_strategy_embeddings_are_mean_pooled_and_ignore_padding(tiny):
+    tok, model = tiny
+    seqs = [[5, 6, 7], [9]]
+    emb = strata.strategy_embeddings(model, seqs, tok.pad_token_id, contextlib.nullcontext, token_budget=4096)
+    with torch.no_grad():
+        alone = model.model(input_ids=torch.tensor([[5, 6, 7]])).last_hidden_state[0].mean(0)
+    # the padded batch gives the same mean over the real tokens as the sequence encoded alone
+    assert emb.shape == (2, model.config.hidden_size)
+    assert emb[0] == pytest.approx(alone.numpy(), abs=1e-5)
+
+
+# ---- the loss: action token-mean + lambda * strategy token-mean ---------------------------------
+def test_strategy_loss_coef_scales_only_the_strategy_term(tiny):
+    tok, base = tiny
+    args = strata.Args(minibatch_size=8, kl_coef=0.0, entropy_coef=0.0, max_grad_norm=1e9)
+    prompts, responses = [[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]]
+    advantages = np.array([1.0, -2.0])
+
+    def step(samples, is_strategy, coef):
+        import copy
+
+        model = copy.deepcopy(base)
+        args.strategy_loss_coef = coef
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        strata.update_policy(model, None, opt, [prompts[i] for i in samples], [responses[i] for i in samples], advantages[samples],
+                             args, tok.pad_token_id, contextlib.nullcontext, torch.Generator().manual_seed(0), is_strategy)
+        return torch.cat([(p - q).flatten() for p, q in zip(model.parameters(), base.parameters())])
+
+    action_only = step([0], [False], 0.5)
+    d0, d_half, d1 = (step([0, 1], [False, True], c) for c in (0.0, 0.5, 1.0))
+    # lambda = 0: the strategy sample adds nothing, and the action term is its own token-mean
+    assert torch.allclose(d0, action_only, atol=1e-6)
+    # the update is linear in lambda: d(0.5) - d(0) = 0.5 (d(1) - d(0)), and the strategy term is not zero
+    assert (d1 - d0).abs().max() > 1e-4
+    assert torch.allclose(d_half - d0, 0.5 * (d1 - d0), atol=1e-5)
+
+
+# ---- end to end ----------------------------------------------------------------------------------
+def test_two_iterations_on_cooking_log_strata_metrics(tiny_model, tmp_path):
+    out = run_script("strata.py", "--model", tiny_model, *STRATA_FLAGS, "--total-iterations", "2", "--output-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = only_run(tmp_path)
+    metrics = read_metrics(run)
+    assert sorted(metrics) == [0, 1, 2]
+    for key in ["strata/strategy_reward", "strata/strategy_advantage_abs_mean", "strata/strategy_tokens", "strata/diversity_chosen",
+                "strata/diversity_random", "strata/judge_flagged_frac", "strata/judge_parse_fail_frac", "strata/strategy_time_frac",
+                "strata/judge_time_frac", "strata/strategy_policy_loss", "losses/policy_loss", "charts/success_rate", "eval/success_rate"]:
+        assert key in metrics[2], key
+    # 1 task x N=2 strategies x M=2 episodes of 1..3 steps: 4..12 step samples (+ 2 strategy samples trained)
+    assert 4 <= metrics[1]["tokens/samples"] <= 12
+    assert metrics[1]["strata/strategy_tokens"] <= 16
+    # FPS keeps the farther pair of the 4 candidates: at least as diverse as the first 2
+    assert metrics[1]["strata/diversity_chosen"] >= metrics[1]["strata/diversity_random"] - 1e-9
+    assert -1.0 <= metrics[1]["strata/strategy_reward"] <= 1.0
+    assert (run / "checkpoint" / "trainer_state.pt").exists()
+
+
+def test_num_strategies_below_two_is_one_clear_line(tiny_model):
+    out = run_script("strata.py", "--model", tiny_model, "--num-strategies", "1", timeout=120)
+    assert out.returncode == 2
+    assert "--num-strategies and --episodes-per-strategy must be at least 2" in out.stderr
+    assert "Traceback" not in out.stderr
