@@ -1,0 +1,97 @@
+"""Smoke test of the benchmark scripts: each runs on a minimal setting (tiny model, 1 iteration)
+through its command line and writes the JSON it promises. The benchmarks themselves are not run
+in CI; this only keeps them working."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+
+
+def bench(script: str, *flags: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    out = subprocess.run([sys.executable, f"benchmarks/{script}", *flags], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+    return out
+
+
+def load(path: Path) -> dict:
+    assert path.exists(), path
+    if HAS_MPL and path.name.endswith(".json") and "gpu" not in path.name:
+        assert path.with_suffix(".png").exists()
+    return json.loads(path.read_text())
+
+
+def test_learning(tiny_model, tmp_path):
+    out = tmp_path / "learning.json"
+    bench("learning.py", "--preset", "smoke", "--model", tiny_model, "--env", "cooking", "--seeds", "1",
+          "--out", str(out), "--runs-dir", str(tmp_path / "runs"))
+    r = load(out)
+    assert r["ok"] and r["seeds"] == [1] and r["setting"]["iterations"] == 1
+    run = r["runs"]["1"]
+    assert [row["iteration"] for row in run["train"]] == [1]
+    row = run["train"][0]
+    assert 0 <= row["valid_action_rate"] <= 1 and 0 <= row["success_rate"] <= 1
+    assert row["return_with_penalty"] <= row["return"]
+    assert run["eval_before"] is not None and run["eval_after"] is not None and run["eval_after_iteration"] == 1
+    assert set(r["mean_curves"]) >= {"valid_action_rate", "return", "success_rate"}
+    assert "--learning-rate" in run["command"] and "grpo.py" in run["command"]
+
+
+def test_overhead(tiny_model, tmp_path):
+    out = tmp_path / "overhead.json"
+    bench("overhead.py", "--model", tiny_model, "--methods", "gigpo", "--iterations", "1", "--num-tasks", "1",
+          "--group-size", "2", "--max-steps", "2", "--max-new-tokens", "8", "--out", str(out), "--runs-dir", str(tmp_path / "runs"))
+    r = load(out)
+    assert r["ok"] and "grpo" in r["runs"]
+    base = r["runs"]["grpo"]
+    assert base["iteration_s"] > 0 and base["prompt_tokens"] > 0 and base["generated_tokens"] > 0 and base["peak_rss_mb"] > 0
+    if (REPO / "gigpo.py").exists():
+        (c,) = r["comparisons"]
+        assert c["method"] == "gigpo" and c["baseline"] == "grpo"
+        for key in ("iteration_time_ratio", "generated_tokens_ratio", "prompt_tokens_ratio", "peak_memory_ratio"):
+            assert c[key] is not None and c[key] > 0, key
+
+
+def test_profile(tiny_model, tmp_path):
+    out = tmp_path / "profile.json"
+    bench("profile_iteration.py", "--model", tiny_model, "--env", "cooking", "--iterations", "1", "--num-tasks", "1",
+          "--group-size", "2", "--max-steps", "2", "--max-new-tokens", "8", "--out", str(out), "--runs-dir", str(tmp_path / "runs"))
+    r = load(out)
+    assert r["ok"] and len(r["iterations"]) == 1
+    it = r["iterations"][0]
+    assert sum(it["seconds"].values()) == pytest.approx(it["iteration_s"], rel=0.05)
+    assert it["seconds"]["generation"] > 0 and it["seconds"]["update"] > 0
+    assert 0 < r["mean_padding_efficiency"] <= 1
+
+
+def test_gpu_model_on_cpu(tiny_model, tmp_path):
+    """benchmarks/gpu_model.py's code paths at a tiny shape on CPU (the GPU run uses the 1.5B shape)."""
+    model = tmp_path / "model"
+    bench("gpu_model.py", "build", "--shape", "tiny", "--out", str(model))
+    assert (model / "config.json").exists() and json.loads((model / "config.json").read_text())["vocab_size"] == 151936
+    out = tmp_path / "gpu_update.json"
+    bench("gpu_model.py", "bench", "--model", str(model), "--samples", "4", "--prompt-tokens", "32", "--response-tokens", "8",
+          "--minibatch-size", "2", "--gen-batch", "2", "--gen-prompt-tokens", "8", "--gen-new-tokens", "4", "--out", str(out))
+    r = load(out)
+    assert r["params"] > 0 and r["update_tokens_per_s"] > 0 and r["mfu"] > 0 and r["optimizer_steps"] == 2
+    assert r["generation"]["generated_tokens"] > 0 and r["peak_flops_assumed"] == 989e12
+    out = tmp_path / "gpu_iteration.json"
+    bench("gpu_model.py", "iteration", "--model", tiny_model, "--out", str(out), "--runs-dir", str(tmp_path / "runs"),
+          "--flags=--env cooking --total-iterations 1 --num-tasks 1 --group-size 2 --max-steps 1 --max-new-tokens 4 "
+          "--num-eval-tasks 1 --num-env-workers 1 --no-gradient-checkpointing")
+    r = load(out)
+    assert r["ok"] and r["perf"]["perf/iteration_s"] > 0
+
+
+def test_gpu_check_script_parses():
+    assert subprocess.run(["bash", "-n", "benchmarks/gpu_check.sh"], cwd=REPO).returncode == 0
+    out = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 2 and "usage" in out.stdout
