@@ -1088,6 +1088,13 @@ if __name__ == "__main__":
     except (ValueError, envs.EnvUnavailable) as e:
         fail(str(e))
     args = resolve_args(args, spec)
+    try:  # listed before any model is loaded, so missing env data fails fast with its install command
+        train_tasks = spec.task_ids(spec.preset.train_split)
+        eval_pool = spec.task_ids(args.eval_split)
+    except (ValueError, envs.EnvUnavailable) as e:
+        fail(str(e))
+    if not train_tasks or not eval_pool:
+        fail(f"env {args.env} has no tasks in split {spec.preset.train_split!r} or {args.eval_split!r}")
     model_path = resolve_model(args.model)
     rank, world_size, device = init_distributed(args)
     is_main = rank == 0
@@ -1160,10 +1167,6 @@ if __name__ == "__main__":
     update_generator = torch.Generator().manual_seed(args.seed + rank)
 
     # Tasks: training tasks sampled per iteration; a fixed held-out list for evaluation
-    train_tasks = spec.task_ids(spec.preset.train_split)
-    eval_pool = spec.task_ids(args.eval_split)
-    if not train_tasks or not eval_pool:
-        fail(f"env {args.env} has no tasks in split {spec.preset.train_split!r} or {args.eval_split!r}")
     eval_rng = np.random.default_rng(args.seed + 1000)
     eval_tasks = [eval_pool[k] for k in sorted(eval_rng.choice(len(eval_pool), min(args.num_eval_tasks, len(eval_pool)), replace=False))]
     task_rng = np.random.default_rng(args.seed)

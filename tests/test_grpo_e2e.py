@@ -82,6 +82,7 @@ def test_two_iterations_checkpoint_and_exact_resume(tiny_model, tmp_path):
         (["--group-size", "1"], "--group-size must be at least 2"),
         (["--model", "./no/such/model"], "model path ./no/such/model does not exist"),
         (["--resume", "/tmp"], "no checkpoint there"),
+        (["--env", "alfworld", "--env-data", "/nonexistent"], "run `alfworld-download`"),
     ],
 )
 def test_bad_input_is_one_clear_line(tiny_model, flags, message):
