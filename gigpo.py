@@ -128,7 +128,7 @@ class Args:
     entropy_coef: float = 0.001
     """entropy bonus coefficient"""
     minibatch_size: int = 256
-    """step samples per optimizer step"""
+    """step samples per optimizer step, at most: an iteration takes ceil(samples / this) equal minibatches"""
     micro_batch_tokens: int = 16384
     """padded tokens per forward/backward (gradient accumulation budget)"""
     logprob_chunk_tokens: int = 2048
