@@ -437,11 +437,10 @@ def generate_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens: int,
     model.eval()
     with autocast():
         out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config)
-    responses = []
-    for row in out[:, width:].tolist():
-        ends = [k for k, tok in enumerate(row) if tok in eos]
-        responses.append(row[: ends[0] + 1] if ends else row)
-    return responses
+    generated = out[:, width:]
+    is_eos = torch.isin(generated, torch.tensor(eos, device=generated.device))
+    lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, generated.shape[1])  # through the first EOS
+    return [row[:n] for row, n in zip(generated.tolist(), lengths.tolist())]
 
 
 # ----------------------------------------------------------------------------------------------

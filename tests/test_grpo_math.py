@@ -115,3 +115,21 @@ def test_token_mean_weights_every_response_token_equally(tiny_model):
     (-(token_adv * logp).sum() / 7).backward()
     assert torch.allclose(one_batch, model.model.embed_tokens.weight.grad, atol=1e-7)
     assert one_batch.abs().sum() > 0
+
+
+def test_generated_responses_end_at_their_first_eos_and_keep_it(tiny_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    torch.manual_seed(0)
+    prompts = [grpo.encode_prompt(tokenizer, f"task {k}: cook") for k in range(32)]
+    responses = grpo.generate_hf(model, tokenizer, prompts, 64, 1.0, 1.0, lambda: torch.autocast("cpu", enabled=False))
+    eos = set(grpo.eos_token_ids(tokenizer, model))
+    cut = [r for r in responses if r[-1] in eos]
+    # a random model over ~400 tokens says EOS now and then: some responses stop early, with the EOS kept
+    assert cut and all(len(r) < 64 for r in cut)
+    for r in responses:
+        assert not eos & set(r[:-1])  # nothing after the first EOS, and no padding
+        assert r[-1] in eos or len(r) == 64
