@@ -20,7 +20,7 @@ mean_std|mean` (verl-agent's `algorithm.gigpo.mode`, which normalises the episod
 joins a group whose first member's text has difflib ratio >= thresh; off = identical text only).
 
 Reported by verl-agent (their README, Qwen2.5-1.5B-Instruct; not reproduced here): GiGPO ALFWorld
-86.7% success, WebShop 67.4% (their GRPO: 72.8% / 56.8%).
+86.7% success, WebShop 67.4% (GRPO on ALFWorld: 70.3% in the ProAS paper).
 
 Interpretations (where verl-agent's code decides, we follow it; where our repo differs, we chose):
 - interpretation: the per-step env reward r_t is success_reward on the step that wins and 0
