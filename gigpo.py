@@ -82,7 +82,7 @@ class Args:
 
     # Environment
     env: str = "cooking"
-    """environment: cooking, cooking-easy, alfworld, sciworld, search, webshop"""
+    """environment: cooking, cooking-easy, cooking-small, alfworld, sciworld, search, webshop"""
     env_data: Optional[str] = None
     """where the env's data lives (default per env, e.g. $ALFWORLD_DATA for alfworld)"""
     search_url: Optional[str] = None
@@ -107,6 +107,9 @@ class Args:
     """prompt budget; longer prompts lose history first, then their head (default: preset)"""
     max_new_tokens: int = 512
     """response budget per turn"""
+    response_prefix: str = ""
+    """text every action turn's answer starts with (e.g. `<think>` for small models): part of the
+    prompt, so never trained on, and put back in front of the response before the action is parsed"""
     temperature: float = 1.0
     """sampling temperature of training rollouts"""
     top_p: float = 1.0
@@ -330,9 +333,11 @@ def eos_token_ids(tokenizer, model) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """One user message through the chat template (verl-agent passes no system message)."""
+def encode_prompt(tokenizer, text: str, answer_prefix: str = "") -> list[int]:
+    """One user message through the chat template (verl-agent passes no system message), then the
+    start of the assistant's answer when one is prefilled."""
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    rendered += answer_prefix
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
@@ -340,7 +345,7 @@ def build_prompt(spec, tokenizer, args: Args, episode, obs, history: list) -> li
     """The turn's prompt, built afresh; over budget it drops history, then keeps the tail."""
     for shown in range(min(args.history_length, len(history)), -1, -1):
         text = spec.prompt(episode.task, obs.observation, obs.admissible, history[len(history) - shown :] if shown else [], len(history), shown)
-        ids = encode_prompt(tokenizer, text)
+        ids = encode_prompt(tokenizer, text, args.response_prefix)
         if len(ids) <= args.max_prompt_tokens:
             return ids
     return ids[-args.max_prompt_tokens :]
@@ -482,7 +487,7 @@ def rollout(spec, runner, tokenizer, generate, args: Args, episodes: list, tempe
         timing["gen_tokens"] += sum(len(r) for r in responses)
         actions = {}
         for i, prompt, response in zip(active, prompts, responses):
-            action, valid = spec.parse(tokenizer.decode(response, skip_special_tokens=True))
+            action, valid = spec.parse(args.response_prefix + tokenizer.decode(response, skip_special_tokens=True))
             actions[i] = action
             episodes[i].turns.append(Turn(prompt, response, action, valid, obs[i].observation, obs[i].state))
         t0 = time.perf_counter()

@@ -73,6 +73,8 @@ class Preset:
 ENVS: dict[str, tuple[str, dict]] = {
     "cooking": ("envs.cooking", {}),
     "cooking-easy": ("envs.cooking", {"level": "easy"}),
+    # easy games with a one-line answer example, for ~100M-parameter models (benchmarks/learning.py)
+    "cooking-small": ("envs.cooking", {"level": "easy", "template": "oneline"}),
     "alfworld": ("envs.alfworld", {}),
     "sciworld": ("envs.sciworld", {}),
     "search": ("envs.search", {}),
@@ -103,7 +105,8 @@ class EnvSpec:
         return self.module.Env(**self.kwargs)
 
     def prompt(self, task, observation, admissible, history, step_count, history_length) -> str:
-        return self.module.prompt(task, observation, admissible, history, step_count, history_length)
+        style = {"template": self.kwargs["template"]} if "template" in self.kwargs else {}  # cooking-small
+        return self.module.prompt(task, observation, admissible, history, step_count, history_length, **style)
 
     def parse(self, response: str) -> tuple[str, bool]:
         return self.module.parse(response)

@@ -220,16 +220,33 @@ Once you've finished your reasoning, you should choose an admissible action for 
 """
 
 
-def prompt(task, observation, admissible, history, step_count, history_length) -> str:
+# The `oneline` answer instruction (env `cooking-small`): a model of ~100M parameters does not
+# follow verl-agent's two-sentence instruction (SmolLM2-135M: 0 of 32 answers well formed, even
+# with `<think>` prefilled) but copies a one-line example (8 of 32 with `--response-prefix
+# "<think>"`, 0 of 32 without). The example's action, `look`, is admissible in every game and
+# never advances it, so the example teaches the format and not the solution.
+ONELINE_ANSWER = """Now it's your turn to take an action.
+Answer on one line: a short thought in <think> </think> tags, then one admissible action in <action> </action> tags. Example:
+<think>I should look around first.</think><action>look</action>
+"""
+
+
+def prompt(task, observation, admissible, history, step_count, history_length, template: str = "verl") -> str:
     actions = "\n ".join(f"'{a}'" for a in (admissible or []))
     if step_count == 0 or history_length <= 0 or not history:
-        return TEMPLATE_NO_HIS.format(task=task, current_observation=observation, admissible_actions=actions)
-    first = step_count - len(history) + 1
-    action_history = "\n".join(
-        f"[Observation {first + k}: '{o}', Action {first + k}: '{a}']" for k, (o, a) in enumerate(history)
-    )
-    return TEMPLATE.format(task=task, step_count=step_count, history_length=len(history), action_history=action_history,
-                           current_step=step_count + 1, current_observation=observation, admissible_actions=actions)
+        text = TEMPLATE_NO_HIS.format(task=task, current_observation=observation, admissible_actions=actions)
+    else:
+        first = step_count - len(history) + 1
+        action_history = "\n".join(
+            f"[Observation {first + k}: '{o}', Action {first + k}: '{a}']" for k, (o, a) in enumerate(history)
+        )
+        text = TEMPLATE.format(task=task, step_count=step_count, history_length=len(history), action_history=action_history,
+                               current_step=step_count + 1, current_observation=observation, admissible_actions=actions)
+    if template == "oneline":
+        return text[: text.index("Now it's your turn")] + ONELINE_ANSWER
+    if template != "verl":
+        raise ValueError(f"unknown cooking prompt template {template!r} (verl, oneline)")
+    return text
 
 
 # ---- parse ----------------------------------------------------------------------------------

@@ -121,6 +121,20 @@ def test_prompt_follows_verl_agent_template_with_history():
     assert "Prior to this step" not in first and "<action> </action>" in first
 
 
+def test_cooking_small_asks_for_one_line_with_an_example_and_keeps_the_rest():
+    history = [("obs one", "look")]
+    verl = cooking.prompt("cook", "obs two", ["look", "eat meal"], history, step_count=1, history_length=2)
+    small = envs.load("cooking-small").prompt("cook", "obs two", ["look", "eat meal"], history, step_count=1, history_length=2)
+    head = verl[: verl.index("Now it's your turn")]
+    assert small.startswith(head) and "[Observation 1: 'obs one', Action 1: 'look']" in small
+    assert small.endswith("<think>I should look around first.</think><action>look</action>\n")
+    assert "MUST be enclosed" not in small
+    # the example parses as a well-formed step once the trainer puts a prefilled `<think>` back in front
+    assert cooking.parse("<think>" + "I should look around first.</think><action>look</action>") == ("look", True)
+    with pytest.raises(ValueError, match="template"):
+        cooking.prompt("cook", "obs", ["look"], [], 0, 2, template="chatty")
+
+
 def test_runner_survives_a_killed_worker():
     spec = envs.load("cooking")
     with envs.EnvRunner(spec, num_workers=2) as runner:

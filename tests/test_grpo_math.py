@@ -133,3 +133,25 @@ def test_generated_responses_end_at_their_first_eos_and_keep_it(tiny_model):
     for r in responses:
         assert not eos & set(r[:-1])  # nothing after the first EOS, and no padding
         assert r[-1] in eos or len(r) == 64
+
+
+def test_response_prefix_ends_every_action_prompt_and_is_parsed_with_the_response(tiny_model, cooking_spec):
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from envs import Step
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    args = SimpleNamespace(history_length=2, max_prompt_tokens=4096, response_prefix="<think>")
+    episode = grpo.Episode(task_id="train-easy-0", group=0, task="cook")
+    obs = Step(observation="a kitchen", reward=0.0, done=False, won=False, admissible=["look"], task="cook", task_type="easy", state=frozenset())
+    with_prefix = grpo.build_prompt(cooking_spec, tokenizer, args, episode, obs, [])
+    args.response_prefix = ""
+    plain = grpo.build_prompt(cooking_spec, tokenizer, args, episode, obs, [])
+    assert tokenizer.decode(with_prefix).endswith("<|im_start|>assistant\n<think>")
+    assert with_prefix[: len(plain)] == plain and len(with_prefix) > len(plain)
+    # the parse sees prefix + response, as in rollout(): without the prefix this answer is invalid
+    response = "ok</think><action>look</action>"
+    assert cooking_spec.parse("<think>" + response) == ("look", True)
+    assert cooking_spec.parse(response)[1] is False
