@@ -1020,12 +1020,12 @@ if __name__ == "__main__":
         model = shard_model(model, use_bf16)
     if use_vllm:
 
-        def generate(prompts, temperature):
-            return generate_vllm(llm, prompts, args.max_new_tokens, temperature, args.top_p)
+        def generate(prompts, temperature, max_new_tokens=None):
+            return generate_vllm(llm, prompts, max_new_tokens or args.max_new_tokens, temperature, args.top_p)
     else:
 
-        def generate(prompts, temperature):
-            return generate_hf(plain_model, tokenizer, prompts, args.max_new_tokens, temperature, args.top_p, autocast)
+        def generate(prompts, temperature, max_new_tokens=None):
+            return generate_hf(plain_model, tokenizer, prompts, max_new_tokens or args.max_new_tokens, temperature, args.top_p, autocast)
 
     ref_model = None
     if args.kl_coef > 0:

@@ -1158,12 +1158,12 @@ if __name__ == "__main__":
         model = shard_model(model, use_bf16)
     if use_vllm:
 
-        def generate(prompts, temperature):
-            return generate_vllm(llm, prompts, args.max_new_tokens, temperature, args.top_p)
+        def generate(prompts, temperature, max_new_tokens=None):
+            return generate_vllm(llm, prompts, max_new_tokens or args.max_new_tokens, temperature, args.top_p)
     else:
 
-        def generate(prompts, temperature):
-            return generate_hf(plain_model, tokenizer, prompts, args.max_new_tokens, temperature, args.top_p, autocast)
+        def generate(prompts, temperature, max_new_tokens=None):
+            return generate_hf(plain_model, tokenizer, prompts, max_new_tokens or args.max_new_tokens, temperature, args.top_p, autocast)
 
     ref_model = None
     if args.kl_coef > 0:
@@ -1205,8 +1205,7 @@ if __name__ == "__main__":
             ids = encode_prompt(tokenizer, reviewer_prompt(task_type, cards[:n], entries, mode, budget))
             if len(ids) <= budget_tokens:
                 break
-        n, t, ids = args.reviewer_max_new_tokens, args.eval_temperature, ids[-budget_tokens:]
-        out = generate_vllm(llm, [ids], n, t, 1.0) if llm is not None else generate_hf(plain_model, tokenizer, [ids], n, t, 1.0, autocast)
+        out = generate([ids[-budget_tokens:]], args.eval_temperature, args.reviewer_max_new_tokens)
         return all_gather_objects([parse_edits(tokenizer.decode(out[0], skip_special_tokens=True))])[0]  # rank 0's edits
 
     runner = envs.EnvRunner(spec, args.num_env_workers)

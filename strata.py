@@ -1085,7 +1085,7 @@ if __name__ == "__main__":
         model = shard_model(model, use_bf16)
     if use_vllm:
 
-        def generate(prompts, temperature, max_new_tokens=None):  # ALGO LOGIC: strategies and judgments have their own budgets
+        def generate(prompts, temperature, max_new_tokens=None):
             return generate_vllm(llm, prompts, max_new_tokens or args.max_new_tokens, temperature, args.top_p)
     else:
 
