@@ -135,7 +135,7 @@ def test_generated_responses_end_at_their_first_eos_and_keep_it(tiny_model):
         assert r[-1] in eos or len(r) == 64
 
 
-def test_response_prefix_ends_every_action_prompt_and_is_parsed_with_the_response(tiny_model, cooking_spec):
+def test_response_prefix_ends_every_action_prompt(tiny_model, cooking_spec):
     from types import SimpleNamespace
 
     from transformers import AutoTokenizer
@@ -151,7 +151,29 @@ def test_response_prefix_ends_every_action_prompt_and_is_parsed_with_the_respons
     plain = grpo.build_prompt(cooking_spec, tokenizer, args, episode, obs, [])
     assert tokenizer.decode(with_prefix).endswith("<|im_start|>assistant\n<think>")
     assert with_prefix[: len(plain)] == plain and len(with_prefix) > len(plain)
-    # the parse sees prefix + response, as in rollout(): without the prefix this answer is invalid
-    response = "ok</think><action>look</action>"
-    assert cooking_spec.parse("<think>" + response) == ("look", True)
-    assert cooking_spec.parse(response)[1] is False
+
+
+def test_rollout_puts_the_prefix_back_before_parsing(tiny_model, cooking_spec):
+    """A real cooking game, played by a fixed policy that always answers the rest of a
+    `<think>`-prefilled answer: valid with the prefix, invalid (no `<think>`) without it."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    import envs
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    answer = tokenizer("ok</think><action>look</action>", add_special_tokens=False)["input_ids"]
+    runner = envs.EnvRunner(cooking_spec, 1)
+    try:
+        for prefix, valid in (("<think>", True), ("", False)):
+            args = SimpleNamespace(max_steps=2, history_length=2, max_prompt_tokens=4096, response_prefix=prefix)
+            episodes = [grpo.Episode("train-easy-0", 0)]
+            grpo.rollout(cooking_spec, runner, tokenizer, lambda prompts, temperature: [answer for _ in prompts], args, episodes, 1.0, "test")
+            turns = episodes[0].turns
+            assert len(turns) == 2 and all(t.response_ids == answer for t in turns)
+            assert [t.valid for t in turns] == [valid, valid]
+            if valid:
+                assert [t.action for t in turns] == ["look", "look"]
+    finally:
+        runner.close()
