@@ -785,9 +785,17 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
     # step with its unguided prompt, so ratio = pi_theta(y | x_unguided) / pi_old(y | x_guided).
     device = next(model.parameters()).device
     world_size = dist.get_world_size() if distributed() else 1
-    t0 = time.perf_counter()
-    old_logps = recompute_logprobs(model, prompts, responses, args, pad_id, autocast)
+    num_minibatches = max(1, math.ceil(all_reduce([len(prompts)])[0] / args.minibatch_size))
+    epochs = [np.array_split(torch.randperm(len(prompts), generator=generator).numpy(), num_minibatches)
+              for _ in range(args.update_epochs)]
+    # Until the first optimizer step the old policy is the current one, so the first minibatch takes
+    # its old log-probs from its own training forward (detached: ratio exactly 1). Only the samples
+    # trained after a step need the separate no-grad pass, and so do guided samples, whose behaviour
+    # prompt is not the one trained on.
     guided = [i for i in range(len(prompts)) if unguided_prompts is not None and unguided_prompts[i] != prompts[i]]
+    stale = sorted(set(range(len(prompts))) - set(epochs[0][0].tolist()) | set(guided))
+    t0 = time.perf_counter()
+    old_logps = dict(zip(stale, recompute_logprobs(model, [prompts[i] for i in stale], [responses[i] for i in stale], args, pad_id, autocast)))
     prompts = unguided_prompts if unguided_prompts is not None else prompts
     ref_logps = recompute_logprobs(ref_model, prompts, responses, args, pad_id, autocast) if ref_model is not None else None
     unguided_logps = recompute_logprobs(model, [prompts[i] for i in guided], [responses[i] for i in guided], args, pad_id, autocast)
@@ -798,10 +806,8 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
     grad_norms = []
     real_tokens = padded_tokens = 0
     t0 = time.perf_counter()
-    num_minibatches = max(1, math.ceil(all_reduce([len(prompts)])[0] / args.minibatch_size))
-    for _ in range(args.update_epochs):
-        perm = torch.randperm(len(prompts), generator=generator).numpy()
-        for minibatch in np.array_split(perm, num_minibatches):
+    for minibatches in epochs:
+        for minibatch in minibatches:
             minibatch = minibatch.tolist()
             # token-mean over the whole (all-rank) minibatch; FSDP averages gradients over ranks
             minibatch_tokens = all_reduce([sum(len(responses[i]) for i in minibatch)])[0]
@@ -820,9 +826,10 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
                 real_tokens += int(attn.sum())
                 padded_tokens += attn.numel()
                 adv = torch.cat([torch.full((len(responses[i]),), float(advantages[i])) for i in idx]).to(device)
-                old = torch.cat([old_logps[i] for i in idx]).to(device)
                 with autocast():
                     logp, entropy = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+                own = logp.detach().split([len(responses[i]) for i in idx])
+                old = torch.cat([old_logps[i].to(device) if i in old_logps else mine for i, mine in zip(idx, own)])
                 pg_loss, clipped = ppo_clip_loss(logp, old, adv, args.clip_eps, args.dual_clip)
                 loss = pg_loss - args.entropy_coef * entropy
                 if ref_logps is not None:

@@ -117,6 +117,45 @@ def test_token_mean_weights_every_response_token_equally(tiny_model):
     assert one_batch.abs().sum() > 0
 
 
+def test_old_logprobs_are_the_weights_before_the_first_step_for_every_minibatch(tiny_model):
+    """Two SGD steps of update_policy equal two steps computed by hand, where every minibatch's
+    ratio is taken against the log-probs before any step (the first minibatch's come from its own
+    forward, the second's from the no-grad pass: both are pi_old)."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 15]]
+    responses = [[20, 21, 22, 23], [24], [25, 26], [27, 28, 29]]
+    advantages = np.array([1.0, -0.5, 2.0, -1.0])
+    no_autocast = lambda: torch.autocast("cpu", enabled=False)  # noqa: E731
+    lr = 0.5
+    args = grpo.Args(minibatch_size=2, kl_coef=0.0, entropy_coef=0.0, max_grad_norm=1e9, clip_eps=10.0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    grpo.update_policy(model, None, torch.optim.SGD(model.parameters(), lr=lr), prompts, responses, advantages, args, 0,
+                       no_autocast, torch.Generator().manual_seed(0))
+
+    by_hand = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    minibatches = np.array_split(torch.randperm(4, generator=torch.Generator().manual_seed(0)).numpy(), 2)
+    with torch.no_grad():
+        old = {}
+        for i in range(4):
+            ids, attn, resp = grpo.collate([prompts[i]], [responses[i]], 0)
+            old[i] = grpo.response_logprobs(by_hand, ids, attn, resp, 1024)[0]
+    for minibatch in minibatches:
+        by_hand.zero_grad()
+        tokens = sum(len(responses[i]) for i in minibatch)
+        for i in minibatch:  # clip_eps 10: no ratio is clipped, so the loss is -A * ratio per token
+            ids, attn, resp = grpo.collate([prompts[i]], [responses[i]], 0)
+            logp = grpo.response_logprobs(by_hand, ids, attn, resp, 1024)[0]
+            (-(advantages[i] * torch.exp(logp - old[i])).sum() / tokens).backward()
+        with torch.no_grad():
+            for p in by_hand.parameters():
+                p -= lr * p.grad
+    moved = (by_hand.model.embed_tokens.weight - AutoModelForCausalLM.from_pretrained(tiny_model).model.embed_tokens.weight).abs().max()
+    assert moved > 1e-3  # the steps are large enough that a ratio of 1 in the second minibatch would show
+    for (name, a), b in zip(model.named_parameters(), by_hand.parameters()):
+        assert torch.allclose(a, b, atol=1e-6), name
+
+
 def test_generated_responses_end_at_their_first_eos_and_keep_it(tiny_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
