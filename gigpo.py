@@ -249,8 +249,10 @@ def load_policy(model_name: str, device: torch.device):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
     except OSError as e:
         fail(f"could not load model {model_name!r} (not a local folder, and not in the hub cache or reachable): {str(e).splitlines()[0]}")
-    if kw:  # a GGUF-loaded model cannot save_pretrained: rebuild it as a plain HF model
-        plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+    if getattr(model, "hf_quantizer", None) is not None:  # GGUF cannot save_pretrained: rebuild it as a plain model
+        config = model.config
+        del config.quantization_config  # else config.json keeps it and the checkpoint reloads as GGUF
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         plain.load_state_dict(model.state_dict())
         model = plain
     if tokenizer.pad_token_id is None:
