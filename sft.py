@@ -11,10 +11,12 @@ small model enough wins for group-relative RL to contrast: its checkpoint is any
 
 Paper setting (the ALFWorld train split, after `alfworld-download`):
     python sft.py --model Qwen2.5-1.5B-Instruct --env alfworld
-A partial warm start is one flag away (fewer demonstrations or fewer epochs), e.g. on CPU:
-    python sft.py --model SmolLM2-135M-Instruct --env cooking-easy --response-prefix "<think>" \\
-        --num-tasks 8 --epochs 2 --learning-rate 5e-5 --bf16 True --no-gradient-checkpointing
-    python grpo.py --model runs/<that run>/checkpoint/model --env cooking-easy --response-prefix "<think>" ...
+A partial warm start is one flag away (fewer demonstrations or fewer epochs). The one measured
+here (README, "Results"): SmolLM2-135M on 8 cooking games, 2 epochs, verl-agent's instruction,
+held-out success 0/32 -> 6/32 at temperature 1.0:
+    python sft.py --model SmolLM2-135M-Instruct --env cooking-easy --num-tasks 8 --epochs 2 \\
+        --learning-rate 5e-5 --minibatch-size 8 --bf16 True --no-gradient-checkpointing --micro-batch-tokens 4096
+    python grpo.py --model runs/<that run>/checkpoint/model --env cooking-easy ...
 
 Interpretations (ours, not the papers'):
 - Expert data holds actions only, so the text inside <think></think> is ours: `--think-text`, one
