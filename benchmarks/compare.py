@@ -24,6 +24,7 @@ is 128, or its first --num-eval-tasks games by seed: the same list for every scr
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import sys
 import time
@@ -104,9 +105,8 @@ class Args:
     """held-out games (the same list for every script of a seed)"""
     eval_every: int = 3
     """--eval-every"""
-    extra_flags: tuple[str, ...] = ("--bf16", "True", "--no-gradient-checkpointing", "--micro-batch-tokens", "4096",
-                                    "--num-env-workers", "2")
-    """flags every run gets (CPU: bf16 autocast, no checkpointing, 4k-token micro-batches)"""
+    extra_flags: str = "--bf16 True --no-gradient-checkpointing --micro-batch-tokens 4096 --num-env-workers 2"
+    """flags every run gets, one string (CPU: bf16 autocast, no checkpointing, 4k-token micro-batches)"""
     max_minutes: float = 1e9
     """stop after this many minutes (the run in progress is killed and resumes next time)"""
     runs_dir: Path = REPO / "runs" / "compare"
@@ -122,7 +122,7 @@ def common_flags(args: Args, seed: int) -> list[str]:
         "--learning-rate", str(args.learning_rate), "--minibatch-size", str(args.minibatch_size), "--kl-coef", str(args.kl_coef),
         "--temperature", str(args.temperature), "--eval-temperature", str(args.eval_temperature),
         "--num-eval-tasks", str(args.num_eval_tasks), "--eval-every", str(args.eval_every), "--save-every", "1",
-        *args.extra_flags,
+        *shlex.split(args.extra_flags),
     ]
 
 
@@ -138,7 +138,7 @@ def sft_flags(args: Args, model: str) -> list[str]:
         "--model", model, "--env", args.env, "--seed", "1", "--num-tasks", str(args.sft_num_tasks), "--epochs", str(args.sft_epochs),
         "--learning-rate", str(args.sft_learning_rate), "--minibatch-size", "8", "--max-steps", str(args.max_steps),
         "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature), "--eval-temperature", "0.4",
-        "--num-eval-tasks", str(args.num_eval_tasks), *args.extra_flags,
+        "--num-eval-tasks", str(args.num_eval_tasks), *shlex.split(args.extra_flags),
     ]
 
 

@@ -105,3 +105,25 @@ def test_inspect_policy_counts_the_answers_it_samples(tiny_model, tmp_path):
     assert r["answers_sampled"] == 6 == sum(n for _, n in r["actions"])
     # the random model's answers carry no `<action>` tags: each is sent as its raw tail and is invalid
     assert r["valid_fraction"] == 0.0 and all(text.startswith("<think>") for text, _ in r["answers"])
+
+
+def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_model, tmp_path):
+    out, runs = tmp_path / "compare.json", tmp_path / "runs"
+    flags = ["--stage", "warm", "--model", tiny_model, "--env", "cooking", "--seeds", "1", "--methods", "grpo.py",
+             "--sft-num-tasks", "1", "--sft-epochs", "1", "--iterations", "1", "--num-tasks", "1", "--group-size", "2",
+             "--max-steps", "2", "--max-new-tokens", "8", "--num-eval-tasks", "1", "--eval-every", "1",
+             "--extra-flags=--no-gradient-checkpointing --num-env-workers 1", "--out", str(out), "--runs-dir", str(runs)]
+    bench("compare.py", *flags, timeout=900)
+    r = load(out)
+    assert r["sft"]["eval_success"][0][0] == 0 and "sft.py" in r["sft"]["command"]
+    (warm,) = r["runs"]
+    assert (warm["start"], warm["script"], warm["seed"]) == ("sft", "grpo.py", 1)
+    assert [i for i, _ in warm["eval_success"]] == [0, 1] and [i for i, _ in warm["train_success"]] == [1]
+    assert str(runs / "sft") in warm["command"] and warm["iteration_s"] > 0 and warm["prompt_tokens"][0][1] > 0
+    (row,) = r["table"]
+    assert row["script"] == "grpo.py" and row["time_ratio_to_grpo"] == 1.0 and row["change_per_seed"] == [
+        warm["eval_success"][-1][1] - warm["eval_success"][0][1]]
+    # a second call, reusing the finished sft.py run, finds the grpo.py run finished: it launches nothing
+    sft_run = Path(r["sft"]["run_dir"])
+    again = bench("compare.py", *flags, "--sft-run", str(sft_run), timeout=300)
+    assert " -> " not in again.stdout and len(load(out)["runs"]) == 1
