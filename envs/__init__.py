@@ -121,14 +121,23 @@ CJK = re.compile(r"[\u4e00-\u9fff]")
 def verl_projection(response: str, tail_chars: int) -> tuple[str, bool]:
     """verl-agent's action projection (ALFWorld 30, WebShop 20 tail chars): lowercase; the text
     between <action> and </action> is the action; without both tags the raw tail is sent and the
-    step is invalid; missing <think>/</think> (case-sensitive) or CJK text also make it invalid."""
+    step is invalid; missing <think>/</think> (case-sensitive) or CJK text also make it invalid.
+
+    Where this differs from verl-agent: it reads from the first <action> to the first </action>
+    whatever else the response holds, so `</action>x<action>` gave an empty valid action and
+    `<action><action>x</action>` a valid `<action>x`. Here the action tags must be exactly one
+    <action> before one </action>, and the first <think> must come before the first </think>;
+    any other tag structure (reversed, nested, repeated) is malformed and treated as missing
+    tags: the raw tail is sent and the step is invalid."""
     lowered = response.lower()
     start, end = lowered.find("<action>"), lowered.find("</action>")
-    if start != -1 and end != -1:
+    well_formed = lowered.count("<action>") == lowered.count("</action>") == 1 and start < end
+    if well_formed:
         action, valid = lowered[start + len("<action>") : end].strip(), True
     else:
         action, valid = lowered[-tail_chars:], False
-    if "<think>" not in response or "</think>" not in response or CJK.search(response):
+    think, unthink = response.find("<think>"), response.find("</think>")
+    if think == -1 or unthink == -1 or unthink < think or CJK.search(response):
         valid = False
     return action, valid
 

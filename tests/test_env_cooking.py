@@ -23,6 +23,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         ("<THINK>a</THINK><action>look</action>", ("look", False)),  # the think tags are case-sensitive
         ("no tags at all, just chatter about the kitchen and more", ("ter about the kitchen and more", False)),
         ("", ("", False)),
+        # malformed tag structure (verl-agent accepts these): the tail is sent, invalid
+        ("<think>x</think></action>examine egg<action>", ("k></action>examine egg<action>", False)),
+        ("<think>x</think><action><action>take egg</action>", ("tion><action>take egg</action>", False)),
+        ("<think>x</think><action>look</action><action>eat meal</action>", ("tion><action>eat meal</action>", False)),
+        ("</think>x<think><action>look</action>", ("look", False)),  # think tags reversed
+        ("<think>a</think><think>b</think><action>look</action>", ("look", True)),  # two thoughts are fine
     ],
 )
 def test_verl_projection(response, expected):

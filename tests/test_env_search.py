@@ -125,6 +125,8 @@ def test_projection_follows_verl_agent():
     assert parse("<search>a</search><answer>b</answer>") == ("<search>a</search>", False)  # both kinds
     assert parse("<search>a</search><search>b</search>") == ("<search>a</search>", False)  # twice
     assert parse("I think it is Paris.") == ("", False)
+    assert parse("<think>x</think></search>q<search>") == ("", False)  # reversed tags: no block at all
+    assert parse("<answer><answer>Paris</answer>") == ("<answer><answer>Paris</answer>", False)  # nested: a tag twice
 
 
 def test_episode_rewards_exact_match(server):
