@@ -93,6 +93,20 @@ def test_em_normalisation_on_tricky_answers():
     assert not em("theater", ["ater"])                  # only whole-word articles go
     assert not em("Röntgen", ["Wilhelm Conrad Röntgen"])  # exact, not substring
     assert not em("Richard Nixon", ["james madison"])
+    assert not em("", ["---"]) and not em("the", ["The The"]) and not em("!!!", ["!!!"])  # "" never matches ""
+    assert not em("a", ["rotationally symmetric saltire", "*"]) and em("the symbol ×", ["symbol ×", "*"])
+
+
+def test_empty_answer_does_not_win_a_question_with_a_punctuation_gold_answer(server):
+    url, _ = server
+    env = search.Env(data=str(DATA), url=url)
+    step = env.reset("test/nq/452")  # gold answers: 'a rotationally symmetric saltire', 'the symbol ×', '*'
+    assert env.answers[-1] == "*" and step.task == "what is the multiplication sign on the computer"
+    for empty in ["<answer></answer>", "<answer>the</answer>", "<answer> *!? </answer>"]:
+        env.reset("test/nq/452")
+        assert not env.step(empty).won
+    env.reset("test/nq/452")
+    assert env.step("<answer>The symbol ×</answer>").won
 
 
 def test_search_r1_rollouts_parse_to_their_queries_and_answers():
@@ -165,14 +179,22 @@ def test_reference_actions_are_a_successful_rollouts_searches_never_its_answer()
     assert env.reference_actions("test/bamboogle/8") == ["<search>Can people who have celiac eat camel meat</search>"]
 
 
-def test_test_split_names_the_seven_sources():
+def test_test_split_names_the_seven_sources(capsys):
     pytest.importorskip("pyarrow", reason="the 2WikiMultihopQA questions are parquet: pip install pyarrow")
+    search.report_dropped.cache_clear()
     ids = search.task_ids("test", data=str(DATA))
     counts = {}
     for task_id in ids:
         counts[task_id.split("/")[1]] = counts.get(task_id.split("/")[1], 0) + 1
-    assert counts == {"nq": 1000, "triviaqa": 1000, "popqa": 1000, "hotpotqa": 7405, "2wikimultihopqa": 12576,
-                      "musique": 2417, "bamboogle": 125}  # shared/data/README.md
+    # shared/data/README.md's counts, less 2 NQ and 2 HotpotQA questions that no answer can match
+    assert counts == {"nq": 998, "triviaqa": 1000, "popqa": 1000, "hotpotqa": 7403, "2wikimultihopqa": 12576,
+                      "musique": 2417, "bamboogle": 125}
+    assert search.task_ids("test", data=str(DATA)) == ids  # listed twice (train and eval), reported once
+    assert capsys.readouterr().out == (f"search: dropped 4 of 25523 questions of {DATA} (test): their gold answers "
+                                       "all normalise to an empty string, so no answer can match them\n")
+    # the four, found by hand: NQ '---' and ')', HotpotQA 'The The' and '!!!'; ids keep their file rows
+    assert {"test/nq/493", "test/nq/710", "test/hotpotqa/3667", "test/hotpotqa/5470"}.isdisjoint(ids)
+    assert {"test/nq/492", "test/nq/494", "test/nq/999", "test/hotpotqa/7404"} <= set(ids)
     nq_open = search.read_rows(DATA / "questions" / "verl_format" / "nq_test.jsonl")[0]
     assert search.question_of(nq_open, "nq") == {"question": "when was the last time anyone was on the moon",
                                                  "answers": ["14 December 1972 UTC", "December 1972"], "source": "nq"}
