@@ -12,6 +12,7 @@ One small protocol, one module per real environment. A method script only ever d
 Each adapter module (envs/cooking.py, envs/alfworld.py, ...) defines, in this order:
   PRESET                      a Preset
   task_ids(split, **kw)       the task ids of a split (cheap, no engine started)
+  task_type(task_id)          the task's type, read off its id (success is logged per type)
   class Env(**kw)             reset(task_id) -> Step, step(action) -> Step,
                               reference_actions(task_id) -> list[str], prepare(task_id),
                               close()
@@ -100,6 +101,9 @@ class EnvSpec:
 
     def task_ids(self, split: str) -> list[str]:
         return self.module.task_ids(split, **self.kwargs)
+
+    def task_type(self, task_id: str) -> str:
+        return self.module.task_type(task_id)
 
     def make(self):
         return self.module.Env(**self.kwargs)

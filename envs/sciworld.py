@@ -62,6 +62,10 @@ def task_ids(split: str, **_) -> list[str]:
     return [f"{name}-{v}" for name, splits in variations().items() for v in splits[split]]
 
 
+def task_type(task_id: str) -> str:
+    return parse_task_id(task_id)[0]
+
+
 @lru_cache(maxsize=None)
 def variations() -> dict[str, dict[str, list[int]]]:
     """taskName -> {train, dev, test} variation lists, as the package defines them (cached on disk)."""
@@ -144,7 +148,7 @@ class Env:
         sw.load(name, variation, self.simplification)
         observation, info = sw.reset()  # plays "look around"
         self.task = sw.get_task_description().strip()
-        self.task_type = name
+        self.task_type = task_type(task_id)
         self._templates = [t for t in sw.get_possible_actions() if t not in HIDDEN_TEMPLATES]
         return self._step(observation, info, done=False)
 

@@ -123,6 +123,10 @@ def task_ids(split: str, data: str | None = None, **_) -> list[str]:
     return ids
 
 
+def task_type(task_id: str) -> str:
+    return task_id.split("/")[1]  # the data source: success is logged per source
+
+
 @lru_cache(maxsize=None)
 def report_dropped(where: str, kept: int, dropped: int) -> None:
     """Said once per question set and process (the trainer lists a split's tasks more than once)."""

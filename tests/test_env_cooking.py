@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -154,6 +155,36 @@ def test_runner_survives_a_killed_worker():
         assert runner.crashes == 1
         again = runner.reset(["train-easy-1"] * 4)  # the restarted worker serves new episodes
         assert [o.crashed for o in again] == [False] * 4
+
+
+def test_runner_restarts_a_frozen_worker_after_its_timeout():
+    spec = envs.load("cooking")
+    with envs.EnvRunner(spec, num_workers=2) as runner:
+        runner.reset(["train-easy-0"] * 4)  # workers start and import under the default timeout
+        runner.timeout_s = 3.0
+        os.kill(runner._procs[1].pid, signal.SIGSTOP)  # a real freeze: the worker lives but never answers
+        start = time.monotonic()
+        out = runner.step({i: "look" for i in range(4)})
+        waited = time.monotonic() - start
+        assert [out[i].crashed for i in range(4)] == [False, True, False, True]
+        assert out[1].done and not out[1].won and out[1].task_type == "easy"
+        assert 3.0 <= waited < 15.0 and runner.crashes == 1  # one timeout, not one per episode
+        again = runner.reset(["train-easy-1"] * 4)
+        assert [o.crashed for o in again] == [False] * 4
+
+
+def test_runner_timeout_is_per_env_call_not_per_batch():
+    """64 resets on one worker take longer than the timeout together, each far less: none is cut."""
+    spec = envs.load("cooking")
+    with envs.EnvRunner(spec, num_workers=1) as runner:
+        runner.reset(["train-easy-0"])  # worker start and imports, under the default timeout
+        start = time.monotonic()
+        runner.reset(["train-easy-0"])
+        runner.timeout_s = max(1.0, 8 * (time.monotonic() - start))
+        start = time.monotonic()
+        steps = runner.reset(["train-easy-0"] * 64)
+        assert time.monotonic() - start > runner.timeout_s  # the batch outlasts the timeout...
+        assert [s.crashed for s in steps] == [False] * 64 and runner.crashes == 0  # ...and is not cut
 
 
 def test_env_check_command_replays_and_exits_zero():

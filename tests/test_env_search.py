@@ -207,6 +207,14 @@ def test_dead_server_gives_a_clear_error():
         env.reset("test/bamboogle/0")
 
 
+def test_episode_that_fails_at_reset_is_logged_under_its_task_type():
+    spec = envs.load("search", data=str(DATA), url=f"http://127.0.0.1:{free_port()}/retrieve")  # nothing listens
+    with envs.EnvRunner(spec, num_workers=1) as runner:
+        steps = runner.reset(["test/bamboogle/0", "test/popqa/3"])
+    assert [s.crashed for s in steps] == [True, True] and "is not answering" in steps[0].observation
+    assert [s.task_type for s in steps] == ["bamboogle", "popqa"]  # was "": a `success_rate_` metric key
+
+
 def test_check_command_passes_with_gold_answers(server, capsys):
     url, _ = server
     spec = envs.load("search", data=str(DATA), url=url)
