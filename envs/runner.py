@@ -15,7 +15,16 @@ import os
 import time
 import traceback
 
-WORKER_TIMEOUT_S = float(os.environ.get("ENV_WORKER_TIMEOUT_S", "600"))
+# Seconds a worker may take over one env call before it counts as frozen: it is restarted and its
+# episodes crash. The slowest real calls measured, as CPU s / wall s, at nice 19 on 2 cores that
+# two full-priority runs kept busy (a starved worst case: wall up to 100x CPU; a run's own
+# processes share the cores at equal priority, about 2-3x CPU on 2 busy cores):
+#   reset: ALFWorld first reset of a game 2.5 / 74 (median 2.1 CPU over 10 valid_unseen games);
+#          cooking 0.02 / 0.7; ScienceWorld 0.17 / 0.6 (JVM start and first load: 38 wall)
+#   setup: cooking compile 4.6 / 134 (511 wall once, starved); ScienceWorld gold path 5.8 / 7.4
+#          (mendelian genetics, the slowest of the 30 tasks), 4.1 / 67 (boil)
+WORKER_TIMEOUT_S = float(os.environ.get("ENV_WORKER_TIMEOUT_S", "120"))  # reset, step
+SETUP_TIMEOUT_S = float(os.environ.get("ENV_SETUP_TIMEOUT_S", "600"))  # prepare, reference (builds a task)
 
 
 def _crash_step(message: str, last=None):
@@ -95,7 +104,8 @@ class EnvRunner:
     def __init__(self, spec, num_workers: int = 4, timeout_s: float | None = None):
         self.spec = spec
         self.num_workers = max(1, int(num_workers))
-        self.timeout_s = WORKER_TIMEOUT_S if timeout_s is None else timeout_s  # per env call, see WORKER_TIMEOUT_S
+        self.timeout_s = WORKER_TIMEOUT_S if timeout_s is None else timeout_s  # per reset or step
+        self.setup_timeout_s = max(SETUP_TIMEOUT_S, self.timeout_s)  # per prepare or reference
         self._ctx = mp.get_context("spawn")
         self._procs: list = [None] * self.num_workers
         self._conns: list = [None] * self.num_workers
@@ -125,7 +135,8 @@ class EnvRunner:
 
     def _call(self, cmd: str, per_worker: dict[int, list]) -> dict[int, list]:
         """Send one command to every worker with work, then gather each item's answer as it comes.
-        A worker that dies, or answers none of its items for `timeout_s`, is restarted and yields None."""
+        A worker that dies, or answers none of its items in time, is restarted and yields None."""
+        limit = self.setup_timeout_s if cmd in ("prepare", "reference") else self.timeout_s
         waiting: dict[int, int] = {}  # worker -> items it still owes
         failed: set[int] = set()
         for w, payload in per_worker.items():
@@ -137,7 +148,7 @@ class EnvRunner:
             except (BrokenPipeError, OSError):
                 failed.add(w)
         answers: dict[int, list] = {w: [] for w in waiting}
-        deadline = {w: time.monotonic() + self.timeout_s for w in waiting}
+        deadline = {w: time.monotonic() + limit for w in waiting}
         while waiting:
             by_conn = {self._conns[w]: w for w in waiting}
             timeout = max(0.0, min(deadline[w] for w in waiting) - time.monotonic())
@@ -152,7 +163,7 @@ class EnvRunner:
                     del waiting[w]
                     continue
                 answers[w].append(answer)
-                deadline[w] = time.monotonic() + self.timeout_s
+                deadline[w] = time.monotonic() + limit
                 waiting[w] -= 1
                 if not waiting[w]:
                     del waiting[w]

@@ -187,6 +187,16 @@ def test_runner_timeout_is_per_env_call_not_per_batch():
         assert [s.crashed for s in steps] == [False] * 64 and runner.crashes == 0  # ...and is not cut
 
 
+def test_a_slow_build_gets_the_setup_timeout_not_the_step_timeout(tmp_path):
+    """Compiling a game takes seconds (4.6 s CPU measured): `reference` and `prepare` calls are timed
+    by SETUP_TIMEOUT_S, so a short reset/step timeout does not cut them."""
+    spec = envs.load("cooking", data=str(tmp_path))  # an empty game cache: the game is compiled now
+    with envs.EnvRunner(spec, num_workers=1, timeout_s=0.5) as runner:
+        (plan,) = runner.reference_actions(["train-easy-5"])
+        assert plan and plan[-1] == "eat meal" and runner.crashes == 0
+    assert (tmp_path / "train-easy-5.z8").exists()
+
+
 def test_env_check_command_replays_and_exits_zero():
     out = subprocess.run([sys.executable, "-m", "envs", "check", "--env", "cooking", "--split", "train", "--num-tasks", "3"],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
