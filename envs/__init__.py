@@ -4,10 +4,12 @@ One small protocol, one module per real environment. A method script only ever d
 
     spec = envs.load("cooking", data=None)       # the adapter module + its options
     spec.preset.max_steps                         # per-env defaults (verl-agent where they exist)
-    spec.task_ids("train")                        # task ids of a split
+    train_tasks = spec.task_ids("train")          # task ids of a split
+    print(spec.probe(train_tasks))                # start one env now: a broken env fails before the model loads
     runner = envs.EnvRunner(spec, num_workers=4)  # env instances in worker processes
     steps = runner.reset(task_ids)                # -> list[Step], one per episode
     text = spec.prompt(...); action, valid = spec.parse(response)
+    envs.most_crashed([s.crashed for s in ...])   # the line to stop with when most episodes crashed
 
 Each adapter module (envs/cooking.py, envs/alfworld.py, ...) defines, in this order:
   PRESET                      a Preset
@@ -27,8 +29,10 @@ env, with an EnvUnavailable error naming the install command.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Hashable, Optional
 
@@ -117,6 +121,35 @@ class EnvSpec:
 
     def project_state(self, state, task, reference_actions) -> frozenset:
         return self.module.project_state(state, task, reference_actions)
+
+    def probe(self, task_ids: list[str]) -> str:
+        """Start one env on the first task (of the train split) in this process, then close it, so a
+        run whose env cannot start (no retrieval server, missing data, Java broken) stops with one
+        line before any model loads. Any error becomes EnvUnavailable; returns the line to print."""
+        if not task_ids:
+            raise EnvUnavailable(f"env {self.name} has no training tasks")
+        start, env = time.perf_counter(), None
+        try:
+            env = self.make()
+            env.prepare(task_ids[0])
+            env.reset(task_ids[0])
+        except EnvUnavailable:
+            raise
+        except Exception as e:
+            raise EnvUnavailable(f"env {self.name} cannot start task {task_ids[0]}: {type(e).__name__}: {e}") from e
+        finally:
+            with contextlib.suppress(Exception):
+                env is not None and env.close()
+        return f"env {self.name}: started {task_ids[0]} in {time.perf_counter() - start:.1f}s ({len(task_ids)} tasks)"
+
+
+def most_crashed(crashed: list[bool]) -> str | None:
+    """When most episodes of an iteration crashed (their env failed, not the policy), the line the
+    run stops with: their rewards say nothing about the policy. None otherwise."""
+    if 2 * sum(crashed) > len(crashed):
+        return (f"{sum(crashed)} of {len(crashed)} episodes of this iteration crashed (see the warnings above): "
+                f"the env is failing; stopping rather than training on them")
+    return None
 
 
 CJK = re.compile(r"[\u4e00-\u9fff]")

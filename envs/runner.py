@@ -24,7 +24,9 @@ import traceback
 #   setup: cooking compile 4.6 / 134 (511 wall once, starved); ScienceWorld gold path 5.8 / 7.4
 #          (mendelian genetics, the slowest of the 30 tasks), 4.1 / 67 (boil)
 WORKER_TIMEOUT_S = float(os.environ.get("ENV_WORKER_TIMEOUT_S", "120"))  # reset, step
-SETUP_TIMEOUT_S = float(os.environ.get("ENV_SETUP_TIMEOUT_S", "600"))  # prepare, reference (builds a task)
+SETUP_TIMEOUT_S = float(os.environ.get("ENV_SETUP_TIMEOUT_S", "600"))  # per-task calls (build a task)
+# Commands about a task rather than an episode: run on a worker's spare env (slot -1), setup timeout.
+TASK_CALLS = {"prepare": "prepare", "reference": "reference_actions", "demonstration": "demonstration"}
 
 
 def _crash_step(message: str, last=None):
@@ -85,14 +87,12 @@ def _worker(conn, module_name: str, kwargs: dict) -> None:
             break
         # one answer per item, sent as soon as it is ready: the trainer's timeout is per env call
         for item in payload:
-            if cmd == "prepare":
-                out = guarded(-1, lambda env, t=item: env.prepare(t))
+            if cmd in TASK_CALLS:
+                out = guarded(-1, lambda env, t=item: getattr(env, TASK_CALLS[cmd])(t))
             elif cmd == "reset":
                 out = guarded(item[0], lambda env, t=item[1]: env.reset(t))
             elif cmd == "step":
                 out = guarded(item[0], lambda env, a=item[1]: env.step(a))
-            elif cmd == "reference":
-                out = guarded(-1, lambda env, t=item: env.reference_actions(t))
             else:
                 out = ValueError(f"unknown command {cmd}")
             conn.send(out)
@@ -105,7 +105,7 @@ class EnvRunner:
         self.spec = spec
         self.num_workers = max(1, int(num_workers))
         self.timeout_s = WORKER_TIMEOUT_S if timeout_s is None else timeout_s  # per reset or step
-        self.setup_timeout_s = max(SETUP_TIMEOUT_S, self.timeout_s)  # per prepare or reference
+        self.setup_timeout_s = max(SETUP_TIMEOUT_S, self.timeout_s)  # per TASK_CALLS item
         self._ctx = mp.get_context("spawn")
         self._procs: list = [None] * self.num_workers
         self._conns: list = [None] * self.num_workers
@@ -136,7 +136,7 @@ class EnvRunner:
     def _call(self, cmd: str, per_worker: dict[int, list]) -> dict[int, list]:
         """Send one command to every worker with work, then gather each item's answer as it comes.
         A worker that dies, or answers none of its items in time, is restarted and yields None."""
-        limit = self.setup_timeout_s if cmd in ("prepare", "reference") else self.timeout_s
+        limit = self.setup_timeout_s if cmd in TASK_CALLS else self.timeout_s
         waiting: dict[int, int] = {}  # worker -> items it still owes
         failed: set[int] = set()
         for w, payload in per_worker.items():

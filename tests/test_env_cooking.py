@@ -204,6 +204,24 @@ def test_env_check_command_replays_and_exits_zero():
     assert "3/3 won" in out.stdout and "train-easy-0: 5/5 reference steps, won" in out.stdout
 
 
+def test_probe_starts_one_env_and_turns_any_failure_into_one_line(tmp_path):
+    line = envs.load("cooking").probe(["train-easy-0", "train-cut-0"])
+    assert line.startswith("env cooking: started train-easy-0 in ") and line.endswith("s (2 tasks)")
+    not_a_folder = tmp_path / "games.txt"
+    not_a_folder.write_text("")
+    with pytest.raises(envs.EnvUnavailable, match=r"^env cooking cannot start task train-easy-0: FileExistsError: "):
+        envs.load("cooking", data=str(not_a_folder)).probe(["train-easy-0"])
+    with pytest.raises(envs.EnvUnavailable, match="has no training tasks"):
+        envs.load("cooking").probe([])
+
+
+def test_most_crashed_stops_a_run_only_past_half():
+    assert envs.most_crashed([True, True, False, False]) is None
+    assert envs.most_crashed([True, True, True, False]) == (
+        "3 of 4 episodes of this iteration crashed (see the warnings above): the env is failing; "
+        "stopping rather than training on them")
+
+
 def test_unknown_env_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown env 'nope'"):
         envs.load("nope")

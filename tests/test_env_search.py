@@ -7,6 +7,7 @@ loopback port in a subprocess, and stopped at the end.
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -213,6 +214,54 @@ def test_episode_that_fails_at_reset_is_logged_under_its_task_type():
         steps = runner.reset(["test/bamboogle/0", "test/popqa/3"])
     assert [s.crashed for s in steps] == [True, True] and "is not answering" in steps[0].observation
     assert [s.task_type for s in steps] == ["bamboogle", "popqa"]  # was "": a `success_rate_` metric key
+
+
+QUESTIONS = DATA / "questions" / "flashrag_format" / "flashrag_quickstart_nq_test.jsonl"  # 17 NQ questions
+TINY_RUN = ["--env", "search", "--env-data", str(QUESTIONS), "--num-tasks", "2", "--group-size", "2", "--max-steps", "2",
+            "--max-new-tokens", "8", "--num-eval-tasks", "2", "--num-env-workers", "2", "--minibatch-size", "4",
+            "--no-gradient-checkpointing", "--total-iterations", "2"]
+
+
+def test_dead_search_server_stops_the_run_before_the_model_loads(tiny_model, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}/retrieve"
+    out = subprocess.run([sys.executable, "grpo.py", "--model", tiny_model, *TINY_RUN, "--search-url", url,
+                          "--output-dir", str(tmp_path / "runs")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(f"error: retrieval server {url} is not answering (")
+    assert out.stderr.strip().endswith("start one: python -m envs.search serve --corpus FILE --port 8000")
+    assert not (tmp_path / "runs").exists()  # no run directory, no checkpoint
+
+
+def test_run_stops_when_most_episodes_of_an_iteration_crash(tiny_model, tmp_path):
+    """The server answers the probe, then dies: every episode crashes; the run stops at iteration 1
+    with one line instead of training on them and saving a checkpoint."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "envs.search", "serve", "--corpus", str(CORPUS), "--port", str(port)],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert "serving" in server.stdout.readline()
+    run = subprocess.Popen([sys.executable, "grpo.py", "--model", tiny_model, *TINY_RUN, "--eval-every", "1",
+                            "--search-url", f"http://127.0.0.1:{port}/retrieve", "--output-dir", str(tmp_path / "runs")],
+                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        for line in run.stdout:
+            if line.startswith("env search: started"):
+                break
+        server.terminate()
+        server.wait(timeout=30)
+        stdout, stderr = run.communicate(timeout=900)
+    finally:
+        server.kill()
+        run.kill()
+    assert line.startswith("env search: started train/nq/0 in ") and line.rstrip().endswith("s (17 tasks)")
+    assert run.returncode == 2 and "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == ("error: 4 of 4 episodes of this iteration crashed (see the warnings "
+                                               "above): the env is failing; stopping rather than training on them")
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0]  # the first evaluation, then no update and no iteration logged
+    assert rows[0]["eval/env_crashes"] == 2 and "eval/success_rate_nq" in rows[0] and "eval/success_rate_" not in rows[0]
+    assert not [p for p in run_dir.iterdir() if p.name.startswith("checkpoint")]
 
 
 def test_check_command_passes_with_gold_answers(server, capsys):
