@@ -972,6 +972,7 @@ if __name__ == "__main__":
     try:  # listed before any model is loaded, so missing env data fails fast with its install command
         train_tasks = spec.task_ids(spec.preset.train_split)
         eval_pool = spec.task_ids(args.eval_split)
+        print(spec.probe(train_tasks))  # one env started now: a broken env stops the run before the model loads
     except (ValueError, envs.EnvUnavailable) as e:
         fail(str(e))
     if not train_tasks or not eval_pool:
@@ -1083,6 +1084,8 @@ if __name__ == "__main__":
                     method_state[key] = method_state.get(key, 0.0) + more[f"actguide/{key}"]
                     guide_metrics[f"actguide/{key}_total"] = method_state[key]
             rollout_s = time.perf_counter() - iteration_start
+            if crashed := envs.most_crashed([e.crashed for e in episodes]):
+                fail(crashed)
 
             # ALGO LOGIC: step scores and group-normalised advantages
             turns, sample_groups, rewards, invalid = flatten_turns(episodes, args.success_reward)

@@ -805,6 +805,7 @@ if __name__ == "__main__":
     try:  # listed before any model is loaded, so missing env data fails fast with its install command
         train_tasks = spec.task_ids(spec.preset.train_split)
         eval_pool = spec.task_ids(args.eval_split)
+        print(spec.probe(train_tasks))  # one env started now: a broken env stops the run before the model loads
     except (ValueError, envs.EnvUnavailable) as e:
         fail(str(e))
     if not train_tasks or not eval_pool:
@@ -907,6 +908,8 @@ if __name__ == "__main__":
             episodes = [Episode(train_tasks[tasks[group]], group) for group in my_groups for _ in range(args.group_size)]
             timing = rollout(spec, runner, tokenizer, generate, args, episodes, args.temperature, "rollout")
             rollout_s = time.perf_counter() - iteration_start
+            if crashed := envs.most_crashed([e.crashed for e in episodes]):
+                fail(crashed)
 
             # ALGO LOGIC: step scores and group-normalised advantages
             turns, sample_groups, rewards, invalid = flatten_turns(episodes, args.success_reward)

@@ -617,8 +617,9 @@ def demonstrations(spec, runner, tokenizer, args: Args, task_ids: list[str]) -> 
             obs[i] = result
         active = [i for i in active if not obs[i].done]
     won = [bool(plans[i]) and obs[i].won for i in range(len(task_ids))]
+    crashed = [bool(plans[i]) and obs[i].crashed for i in range(len(task_ids))]
     samples = [sample for i in range(len(task_ids)) if won[i] for sample in steps[i]]
-    return samples, {**counts, "demos/won": sum(won), "demos/samples": len(samples)}
+    return samples, {**counts, "demos/won": sum(won), "demos/crashed": sum(crashed), "demos/samples": len(samples)}
 
 
 def lr_factor(step: int, total_steps: int, warmup_ratio: float, schedule: str) -> float:
@@ -812,6 +813,7 @@ if __name__ == "__main__":
     try:  # listed before any model is loaded, so missing env data fails fast with its install command
         train_tasks = spec.task_ids(spec.preset.train_split)
         eval_pool = spec.task_ids(args.eval_split)
+        print(spec.probe(train_tasks))  # one env started now: a broken env stops the run before the model loads
     except (ValueError, envs.EnvUnavailable) as e:
         fail(str(e))
     if not train_tasks or not eval_pool:
@@ -895,6 +897,11 @@ if __name__ == "__main__":
         samples, demo_counts = demonstrations(spec, runner, tokenizer, args, demo_tasks[rank::world_size])
         demo_counts = dict(zip(demo_counts, all_reduce(list(demo_counts.values()))))
         demo_counts["demos/replay_s"] = time.perf_counter() - t0
+        # ALGO LOGIC: the replay is sft.py's only rollout: stop when most replayed plans crashed, as the RL files do
+        replayed = int(demo_counts["demos/tasks"] - demo_counts["demos/without_plan"])
+        num_crashed = int(demo_counts["demos/crashed"])
+        if crashed := envs.most_crashed([True] * num_crashed + [False] * (replayed - num_crashed)):
+            fail(crashed)
         if demo_counts["demos/samples"] == 0:
             fail(f"env {args.env}: none of the {num_demos} {spec.preset.train_split!r} tasks has an expert trajectory that "
                  f"wins ({int(demo_counts['demos/without_plan'])} have no reference actions at all)")

@@ -1040,6 +1040,7 @@ if __name__ == "__main__":
     try:  # listed before any model is loaded, so missing env data fails fast with its install command
         train_tasks = spec.task_ids(spec.preset.train_split)
         eval_pool = spec.task_ids(args.eval_split)
+        print(spec.probe(train_tasks))  # one env started now: a broken env stops the run before the model loads
     except (ValueError, envs.EnvUnavailable) as e:
         fail(str(e))
     if not train_tasks or not eval_pool:
@@ -1154,6 +1155,8 @@ if __name__ == "__main__":
             episodes = [Episode(train_tasks[tasks[g]], g * N + j, strategy=chosen[g][j], task_group=g) for g in my_groups for j in range(N) for _ in range(M)]
             timing = rollout(spec, runner, tokenizer, generate, args, episodes, args.temperature, "rollout")
             rollout_s = time.perf_counter() - iteration_start
+            if crashed := envs.most_crashed([e.crashed for e in episodes]):
+                fail(crashed)
             judge_s = time.perf_counter()
             judged = self_judge(tokenizer, generate, args, episodes) if args.judgment else {}
             judge_s = time.perf_counter() - judge_s

@@ -56,16 +56,17 @@ def data_root(data: str | None = None) -> Path:
     return root.parent if root.name == "json_2.1.1" else root
 
 
-def task_type_of(task_id: str) -> str:
-    folder = task_id.split("/")[-2]
-    return next(t for t in TASK_TYPES if folder.startswith(t))
-
-
 # ---- load data ----------------------------------------------------------------------------
 def task_ids(split: str, data: str | None = None, **_) -> list[str]:
     if split not in SPLITS:
         raise ValueError(f"alfworld splits are {list(SPLITS)}, not {split!r}")
     return list(_games(str(data_root(data)), SPLITS[split]))
+
+
+def task_type(task_id: str) -> str:
+    """The trial folder's prefix: 'valid_seen/pick_and_place_simple-Mug-None-Desk-308/trial_...' -> 'pick_and_place_simple'"""
+    folder = task_id.split("/")[-2]
+    return next(t for t in TASK_TYPES if folder.startswith(t))
 
 
 @lru_cache(maxsize=None)
@@ -152,7 +153,7 @@ class Env:
         observation = gs.feedback.strip()
         start = observation.find("Your task is to: ")  # verl-agent's task extraction
         self.task = observation[start + len("Your task is to: "):].strip() if start != -1 else ""
-        self.task_type = task_type_of(task_id)
+        self.task_type = task_type(task_id)
         return self._step(gs, observation)
 
     # ---- step -----------------------------------------------------------------------------

@@ -54,7 +54,7 @@ def sample_games() -> list[str]:
         return games
     first = {}
     for game in games:
-        first.setdefault((game.split("/")[0], alfworld.task_type_of(game)), game)
+        first.setdefault((game.split("/")[0], alfworld.task_type(game)), game)
     return sorted(first.values())
 
 
@@ -66,7 +66,7 @@ def test_eval_splits_hold_the_readme_task_type_counts():
                 "eval_out_of_distribution": dict(zip(types, [18, 24, 31, 21, 23, 17]))}
     for split, counts in expected.items():
         ids = alfworld.task_ids(split, data=str(DATA))
-        assert Counter(alfworld.task_type_of(t) for t in ids) == counts
+        assert Counter(alfworld.task_type(t) for t in ids) == counts
         assert len(ids) == sum(counts.values())
 
 
@@ -80,7 +80,7 @@ def test_missing_data_names_the_download_command(tmp_path):
 def test_walkthrough_wins_through_the_adapter(env, game):
     plan = env.reference_actions(game)
     step = env.reset(game)
-    assert step.task_type == alfworld.task_type_of(game) and not step.done
+    assert step.task_type == alfworld.task_type(game) and not step.done
     for k, action in enumerate(plan):
         assert not step.done, f"ended early at step {k}"
         step = env.step(action)
@@ -152,7 +152,7 @@ def test_runner_plays_games_in_worker_processes():
     with envs.EnvRunner(spec, num_workers=2) as runner:
         plans = runner.reference_actions(games)
         steps = runner.reset(games)
-        assert [s.task_type for s in steps] == [alfworld.task_type_of(g) for g in games]
+        assert [s.task_type for s in steps] == [alfworld.task_type(g) for g in games]
         for t in range(max(map(len, plans))):
             for i, step in runner.step({i: p[t] for i, p in enumerate(plans) if t < len(p)}).items():
                 steps[i] = step
