@@ -92,7 +92,7 @@ class Args:
     """text every action turn's answer starts with (e.g. `<think>` for small models): part of the
     prompt, so never trained on, and put back in front of the response before the action is parsed"""
     temperature: float = 1.0
-    """sampling temperature of training rollouts"""
+    """sampling temperature of training rollouts; training log-probs divide the logits by it (as verl)"""
     top_p: float = 1.0
     """nucleus sampling of training rollouts"""
 
@@ -176,6 +176,8 @@ def resolve_args(args: Args, spec) -> Args:
         fail(f"--group-size must be at least 2 for a group baseline (got {args.group_size})")
     if args.num_tasks < 1 or args.max_steps < 1 or args.max_new_tokens < 1:
         fail("--num-tasks, --max-steps and --max-new-tokens must be positive")
+    if args.temperature <= 0:
+        fail(f"--temperature must be positive (training log-probs divide the logits by it), got {args.temperature}")
     return args
 
 
@@ -554,16 +556,17 @@ def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
     return input_ids, attention_mask, response_mask
 
 
-def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor):
-    logits = lm_head(hidden).float()
+def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
+    logits = lm_head(hidden).float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
 
 
-def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tokens: int):
-    """log pi(y_k | x, y_<k) and entropy for every response token, flattened row by row.
+def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tokens: int, temperature: float = 1.0):
+    """log pi(y_k | x, y_<k) and entropy for every response token, flattened row by row, of the
+    distribution the rollout sampled from: softmax(logits / temperature), as verl computes them.
     Logits exist only for response positions, `chunk_tokens` rows at a time; with grad, each
     chunk is recomputed in backward instead of keeping full-vocabulary logits alive."""
     captured = []  # the final norm's output, i.e. what lm_head reads
@@ -580,9 +583,10 @@ def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tok
     for start in range(0, targets.shape[0], chunk_tokens):
         h, y = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         if torch.is_grad_enabled():
-            logp, entropy = torch.utils.checkpoint.checkpoint(_chunk_logprobs, model.lm_head, h, y, use_reentrant=False)
+            logp, entropy = torch.utils.checkpoint.checkpoint(_chunk_logprobs, model.lm_head, h, y, temperature,
+                                                              use_reentrant=False)
         else:
-            logp, entropy = _chunk_logprobs(model.lm_head, h, y)
+            logp, entropy = _chunk_logprobs(model.lm_head, h, y, temperature)
         logps.append(logp)
         entropies.append(entropy)
     return torch.cat(logps), torch.cat(entropies)
@@ -616,7 +620,8 @@ def recompute_logprobs(model, prompts, responses, args: Args, pad_id: int, autoc
         rows = batch or []  # None: a dummy pass of one padding token keeps FSDP ranks in step
         ids, attn, resp = collate([prompts[i] for i in rows] or [[pad_id]], [responses[i] for i in rows] or [[pad_id]], pad_id)
         with autocast():
-            logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+            logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device),
+                                        args.logprob_chunk_tokens, args.temperature)
         for i, part in zip(rows, logp.float().cpu().split([len(responses[i]) for i in rows])):
             out[i] = part
     return out
@@ -625,15 +630,18 @@ def recompute_logprobs(model, prompts, responses, args: Args, pad_id: int, autoc
 def update_policy(model, ref_model, optimizer, prompts, responses, advantages, args: Args, pad_id: int, autocast, generator):
     """Old (and reference) log-probs first, then `update_epochs` passes of minibatch PPO steps.
     Under torchrun each rank holds its own groups' samples; a minibatch is the union of one
-    slice from every rank and its loss is the token-mean over all of their response tokens."""
+    slice from every rank and its loss is the token-mean over all of their response tokens.
+    Every pass (old, reference, new) scores softmax(logits / temperature), the distribution the
+    rollout sampled from (verl); a step whose gradient norm is not finite is skipped and counted."""
     device = next(model.parameters()).device
     world_size = dist.get_world_size() if distributed() else 1
     num_minibatches = max(1, math.ceil(all_reduce([len(prompts)])[0] / args.minibatch_size))
     epochs = [np.array_split(torch.randperm(len(prompts), generator=generator).numpy(), num_minibatches)
               for _ in range(args.update_epochs)]
     # Until the first optimizer step the old policy is the current one, so the first minibatch takes
-    # its old log-probs from its own training forward (detached: ratio exactly 1). Only the samples
-    # trained after a step need the separate no-grad pass.
+    # its old log-probs from its own training forward (detached, at the same temperature as the no-grad
+    # pass: ratio exactly 1) and keeps them for later epochs. Only the samples trained after a step need
+    # the separate no-grad pass.
     stale = sorted(set(range(len(prompts))) - set(epochs[0][0].tolist()))
     t0 = time.perf_counter()
     old_logps = dict(zip(stale, recompute_logprobs(model, [prompts[i] for i in stale], [responses[i] for i in stale], args, pad_id, autocast)))
@@ -643,7 +651,7 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
     model.train()
     sums = defaultdict(float)
     grad_norms = []
-    real_tokens = padded_tokens = 0
+    skipped_steps = real_tokens = padded_tokens = 0
     t0 = time.perf_counter()
     for minibatches in epochs:
         for minibatch in minibatches:
@@ -657,7 +665,8 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
                 if micro is None:  # this rank has no more samples: a zero-weight pass keeps ranks in step
                     ids, attn, resp = collate([[pad_id]], [[pad_id]], pad_id)
                     with autocast():
-                        logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+                        logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device),
+                                                    args.logprob_chunk_tokens, args.temperature)
                     (logp.sum() * 0.0).backward()
                     continue
                 idx = [minibatch[k] for k in micro]
@@ -666,9 +675,11 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
                 padded_tokens += attn.numel()
                 adv = torch.cat([torch.full((len(responses[i]),), float(advantages[i])) for i in idx]).to(device)
                 with autocast():
-                    logp, entropy = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
-                own = logp.detach().split([len(responses[i]) for i in idx])
-                old = torch.cat([old_logps[i].to(device) if i in old_logps else mine for i, mine in zip(idx, own)])
+                    logp, entropy = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device),
+                                                      args.logprob_chunk_tokens, args.temperature)
+                for i, mine in zip(idx, logp.detach().split([len(responses[i]) for i in idx])):
+                    old_logps.setdefault(i, mine)  # first minibatch of the first epoch: pi_old, kept for later epochs
+                old = torch.cat([old_logps[i].to(device) for i in idx])
                 pg_loss, clipped = ppo_clip_loss(logp, old, adv, args.clip_eps, args.dual_clip)
                 loss = pg_loss - args.entropy_coef * entropy
                 if ref_logps is not None:
@@ -682,14 +693,19 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
                 sums["losses/approx_kl_old"] += (old - logp).sum().item()
                 sums["tokens"] += len(logp)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            if not math.isfinite(grad_norm):  # an inf/nan gradient would ruin weights and Adam moments (verl skips)
+                skipped_steps += 1
+                continue
+            grad_norms.append(grad_norm)
             optimizer.step()
     update_s = time.perf_counter() - t0
     keys = ["losses/policy_loss", "losses/entropy", "losses/clipfrac", "losses/approx_kl_old", "losses/kl", "tokens"]
     totals = dict(zip(keys, all_reduce([sums[k] for k in keys])))
     metrics = {k: totals[k] / max(totals["tokens"], 1) for k in keys[:-1]}
     real_tokens, padded_tokens = all_reduce([real_tokens, padded_tokens])
-    metrics["losses/grad_norm"] = float(np.mean(grad_norms))
+    metrics["losses/grad_norm"] = float(np.mean(grad_norms)) if grad_norms else float("nan")
+    metrics["losses/skipped_steps"] = float(skipped_steps)
     metrics["perf/logprob_s"] = logprob_s
     metrics["perf/update_s"] = update_s
     metrics["perf/train_tokens_per_s"] = real_tokens / max(update_s, 1e-9)
