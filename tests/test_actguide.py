@@ -156,7 +156,7 @@ def test_evaluation_prompts_carry_no_hint(tiny_model, cooking_spec):
     args = small_args(guidance="always", fixed_k=3)
     runner = envs.EnvRunner(cooking_spec, 1)
     try:
-        metrics = actguide.evaluate(cooking_spec, runner, tokenizer, generate, args, [TASK], 0, 1)
+        metrics = actguide.evaluate(cooking_spec, runner, tokenizer, generate, args, {"train": [TASK]}, 0, 1)
     finally:
         runner.close()
     assert "eval/success_rate" in metrics and len(seen) >= 1

@@ -245,7 +245,7 @@ def test_rollout_prompts_carry_the_frozen_group_scaffold_and_evaluation_prompts_
         assert turns and all("- Plan: take knife" in tokenizer.decode(t.prompt_ids) for t in turns)
         assert all(e.scaffold == episodes[0].scaffold and e.shown == [7] for e in episodes)
         seen.clear()
-        pats.evaluate(cooking_spec, runner, tokenizer, generate, args, ["train-cut-0"], 0, 1)
+        pats.evaluate(cooking_spec, runner, tokenizer, generate, args, {"train": ["train-cut-0"]}, 0, 1)
     assert seen and not any("Training guidance" in p or "take knife" in p.split("Your task")[0] for p in seen)
 
 
