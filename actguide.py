@@ -40,6 +40,11 @@ Interpretations (the paper or its code is silent, or we chose):
   actguide/unguided_success_rate is the policy's own success in the unguided rollout.
 - The re-encoding keeps the same history window as the guided prompt and only drops g_k; the
   KL reference is taken under the unguided prompt (as the official dp_actor).
+- interpretation: the loss and batch defaults are grpo.py's, not the official release's: KL coefficient
+  0.01 (official 0.001), entropy coefficient 0.001 (official 0), 16 tasks x 8 episodes per iteration in
+  minibatches of up to 256 step samples (official: 32 prompts x 8, two PPO minibatches of 16 prompts).
+  The release's other loss modes (LUFFY shaping, on-policy distillation from a guided teacher; both off
+  in its recipe) are not built.
 """
 
 import os
@@ -790,6 +795,8 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
     # ALGO LOGIC: mixed-policy update. Old log-probs under the prompts actually used (x_guided for
     # guided steps: the behaviour policy); the training forward and the KL reference re-encode every
     # step with its unguided prompt, so ratio = pi_theta(y | x_unguided) / pi_old(y | x_guided).
+    # interpretation: kl_coef and entropy_coef keep grpo.py's defaults (official: 0.001 and 0); no LUFFY
+    # shaping or distillation branch (the release has both, off by default).
     device = next(model.parameters()).device
     world_size = dist.get_world_size() if distributed() else 1
     num_minibatches = max(1, math.ceil(all_reduce([len(prompts)])[0] / args.minibatch_size))

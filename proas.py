@@ -37,6 +37,13 @@ Where the paper is silent, our choices (interpretation):
   a step whose output was malformed is never reasonable;
 - interpretation: T of APR = the trajectory's non-advancing steps (PA_t = 0) (`--apr-set all`: every
   step); eps = 1e-6; advancing steps of a negative trajectory keep A;
+- interpretation: Eq. 7's sign condition is taken per step sample (the sign of A_{i,t}), where the paper
+  writes the trajectory's A_i; they differ when the invalid penalty moves a step's score across its
+  group's mean;
+- interpretation: `--shaping msk` (the paper names the naive-mask ablation without its rule) keeps MUI for
+  A > 0, and for A < 0 the plain A on non-advancing steps and 0 on advancing ones;
+- evaluation runs every `--eval-every` 5 iterations (the repo's default); the paper evaluates every 10
+  (`--eval-every 10`);
 - interpretation: the graph of a task is built the first time the task is sampled, by replaying its
   reference actions; a replay that does not win leaves the task without a graph (unshaped);
   growth adds the purified transitions of won rollouts (strict union), after the iteration's labels;
@@ -625,7 +632,8 @@ def future_drift(pa: np.ndarray) -> np.ndarray:
 
 
 def proas_shape(adv, re, pa, shaping: str = "proas", apr_set: str = "nonadvancing", eps: float = 1e-6):
-    """Eq. 7 on the advantages A_{i,t} of one trajectory's steps (the sign of each decides):
+    """Eq. 7 on the advantages A_{i,t} of one trajectory's steps (interpretation: the sign of each step's
+    A_{i,t} decides, not the trajectory's A_i; the msk rule is ours):
     A > 0: A~ = Re_t * A (MUI);  A < 0, t in T: A~ = D_{i,t} / (mean_{t in T} D_{i,t} + eps) * A (APR);
     else A~ = A. T = non-advancing steps (PA_t = 0) or all. Ablations: no-mui, no-apr, msk (A<0: 0 on
     advancing steps), suffix (D_{i,t} -> |tau_i| - t + 1). Returns (A~, APR weight or nan per step)."""

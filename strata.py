@@ -31,7 +31,10 @@ Where the paper is silent, our choices:
 - interpretation: the length penalty is `strategy_length_penalty * (L - budget) / budget` for a
   strategy of L > budget tokens; returns are normalised by success_reward before top-delta.
 - interpretation: the action-level score is R_i / success_reward - invalid_penalty * invalid
-  - kappa * flagged (the judgment reward enters before the group normalisation).
+  - kappa * flagged (the judgment reward enters before the group normalisation). On this [0, 1] scale
+  the invalid penalty (0.1) weighs 10x more against a success than in grpo.py (0.1 against 10).
+- interpretation: the action-level advantage is normalised over the step samples of each
+  (task x strategy) group (verl-agent's GRPO over step samples), not over its M trajectories.
 - interpretation: the judge answers at eval_temperature; an out-of-range step number flags nothing
   (the other numbers stand); output without <judgment> tags or without numbers flags nothing
   and counts as a parse failure. Judgment generations are not trained on.
@@ -708,7 +711,9 @@ def strategy_reward(returns: np.ndarray, delta: float, n_tokens: int, token_budg
 
 def action_scores(episode_rewards: np.ndarray, invalid: np.ndarray, flagged: np.ndarray, success_reward: float, invalid_penalty: float, kappa: float) -> np.ndarray:
     """s_{i,t} = R_i / success_reward - penalty * invalid_{i,t} + R_judge, R_judge = -kappa * 1[t in I_i]
-    (the judgment reward enters before the (task x strategy) group normalisation)."""
+    (the judgment reward enters before the (task x strategy) group normalisation).
+    interpretation: the penalty is taken on the [0, 1] scale, so it weighs 10x more against a success
+    than grpo.py's (0.1 of 1 here, 0.1 of 10 there)."""
     return step_scores(episode_rewards / success_reward, invalid, invalid_penalty) - kappa * flagged.astype(np.float64)
 
 
