@@ -581,6 +581,19 @@ def flatten_turns(episodes: list[Episode], success_reward: float):
     return turns, np.array(groups), np.array(rewards, dtype=np.float64), np.array(invalid, dtype=bool)
 
 
+def training_batch(episodes: list[Episode], args: Args):
+    """One iteration's algorithm, from the played episodes to what update_policy receives: the prompt
+    and response ids of every step sample, its advantage A_{i,t}, and the method's own metrics.
+    ALGO LOGIC: grpo.py's advantages over the groups trained on, guided ones included (a guided group
+    replaced its unguided one whole, so its baseline is its own guided episodes); each sample also gets
+    its prompt without g_k, which the update re-encodes (an unguided step's is its prompt itself)."""
+    turns, sample_groups, rewards, invalid = flatten_turns(episodes, args.success_reward)
+    scores = step_scores(rewards, invalid, args.invalid_penalty)
+    advantages = grpo_advantages(scores, sample_groups)
+    unguided_prompts = [p for e in episodes for p in e.unguided_prompts]  # flatten_turns' order
+    return [t.prompt_ids for t in turns], [t.response_ids for t in turns], advantages, unguided_prompts, {}
+
+
 # ----------------------------------------------------------------------------------------------
 # ALGO LOGIC: ActGuide-RL's guidance g_k, the search for the smallest k, the guided re-roll
 # ----------------------------------------------------------------------------------------------
@@ -1115,26 +1128,25 @@ if __name__ == "__main__":
                     guide_metrics[f"actguide/{key}_total"] = method_state[key]
             rollout_s = time.perf_counter() - iteration_start
 
-            # ALGO LOGIC: step scores and group-normalised advantages
-            turns, sample_groups, rewards, invalid = flatten_turns(episodes, args.success_reward)
-            scores = step_scores(rewards, invalid, args.invalid_penalty)
-            advantages = grpo_advantages(scores, sample_groups)
+            # ALGO LOGIC: the method, from the played episodes to the samples and advantages trained on
+            prompts, responses, advantages, unguided_prompts, algo_metrics = training_batch(episodes, args)
+            algo_metrics.update(guide_metrics)
 
-            # TRY NOT TO MODIFY: the update
+            # the update (ALGO LOGIC: update_policy trains each guided sample on its prompt without g_k)
             if llm is not None and args.vllm_sleep:
                 llm.sleep(level=1)
-            prompts = [t.prompt_ids for t in turns]
-            responses = [t.response_ids for t in turns]
-            unguided_prompts = [p for e in episodes for p in e.unguided_prompts]  # ALGO LOGIC: same order as flatten_turns
-            metrics = update_policy(model, ref_model, optimizer, prompts, responses, advantages, args, tokenizer.pad_token_id, autocast, update_generator, unguided_prompts)
+            metrics = update_policy(model, ref_model, optimizer, prompts, responses, advantages, args,
+                                    tokenizer.pad_token_id, autocast, update_generator, unguided_prompts)
             if llm is not None:
                 sync_vllm_weights(llm, model, args.vllm_sleep)
             elif plain_model is not model:
                 sync_generation_weights(plain_model, model)
 
+            # TRY NOT TO MODIFY: what the iteration achieved and cost
+            metrics.update(algo_metrics)
             metrics.update(episode_metrics(all_gather_objects([episode_stats(e) for e in episodes]), args.success_reward, "charts"))
-            metrics.update(guide_metrics)
-            totals = all_reduce([np.abs(advantages).sum(), len(turns), sum(map(len, prompts)), sum(map(len, responses)), timing["gen_tokens"]])
+            totals = all_reduce([np.abs(advantages).sum(), len(prompts), sum(map(len, prompts)),
+                                 sum(map(len, responses)), timing["gen_tokens"]])
             metrics.update({
                 "charts/advantage_abs_mean": totals[0] / max(totals[1], 1),
                 "perf/rollout_s": rollout_s,
@@ -1146,6 +1158,8 @@ if __name__ == "__main__":
                 "tokens/response": totals[3],
                 "tokens/samples": totals[1],
             })
+
+            # TRY NOT TO MODIFY: evaluation, logging, checkpoints
             if iteration % args.eval_every == 0 or iteration == args.total_iterations:
                 metrics.update(evaluate(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size))
             if is_main:

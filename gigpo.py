@@ -652,6 +652,24 @@ def anchor_group_stats(sizes: np.ndarray, step_adv: np.ndarray, step_returns: np
     }
 
 
+def training_batch(episodes: list[Episode], args: Args):
+    """One iteration's algorithm, from the played episodes to what update_policy receives: the prompt
+    and response ids of every step sample, its advantage A_{i,t}, and the method's own metrics.
+    ALGO LOGIC: GiGPO: A = A^E + w * A^S (Eq. 8), A^S over anchor groups of discounted step returns
+    G~_t = G_t - penalty * invalid_t (the penalty after discounting, on its own step)."""
+    turns, sample_groups, rewards, invalid = flatten_turns(episodes, args.success_reward)
+    scores = step_scores(rewards, invalid, args.invalid_penalty)
+    trajectories, env_rewards, anchors = flatten_steps(episodes, args.success_reward)
+    step_returns = step_scores(discounted_returns(env_rewards, trajectories, args.gamma), invalid, args.invalid_penalty)
+    step_groups = anchor_groups(anchors, sample_groups, args.similarity_thresh)
+    step_adv = step_advantages(step_returns, step_groups, args.step_norm)
+    advantages = episode_advantages(scores, sample_groups, args.episode_norm) + args.step_advantage_w * step_adv
+    # what the step level had to work with, over every rank's anchor groups
+    parts = all_gather_objects([(np.unique(step_groups, return_counts=True)[1], step_adv, step_returns)])
+    metrics = anchor_group_stats(*(np.concatenate(column) for column in zip(*parts)))
+    return [t.prompt_ids for t in turns], [t.response_ids for t in turns], advantages, metrics
+
+
 # ----------------------------------------------------------------------------------------------
 # Update: PPO-clip with dual clip, k3 KL, entropy bonus; token-mean over each minibatch
 # ----------------------------------------------------------------------------------------------
@@ -1058,29 +1076,23 @@ if __name__ == "__main__":
             timing = rollout(spec, runner, tokenizer, generate, args, episodes, args.temperature, "rollout")
             rollout_s = time.perf_counter() - iteration_start
 
-            # ALGO LOGIC: step scores and group-normalised advantages
-            turns, sample_groups, rewards, invalid = flatten_turns(episodes, args.success_reward)
-            scores = step_scores(rewards, invalid, args.invalid_penalty)
-            # ALGO LOGIC: GiGPO: A = A^E + w * A^S (Eq. 8), A^S over anchor groups of discounted returns
-            trajectories, env_rewards, anchors = flatten_steps(episodes, args.success_reward)
-            step_returns = step_scores(discounted_returns(env_rewards, trajectories, args.gamma), invalid, args.invalid_penalty)
-            step_groups = anchor_groups(anchors, sample_groups, args.similarity_thresh)
-            step_adv = step_advantages(step_returns, step_groups, args.step_norm)
-            advantages = episode_advantages(scores, sample_groups, args.episode_norm) + args.step_advantage_w * step_adv
+            # ALGO LOGIC: the method, from the played episodes to the samples and advantages trained on
+            prompts, responses, advantages, algo_metrics = training_batch(episodes, args)
 
             # TRY NOT TO MODIFY: the update
             if llm is not None and args.vllm_sleep:
                 llm.sleep(level=1)
-            prompts = [t.prompt_ids for t in turns]
-            responses = [t.response_ids for t in turns]
             metrics = update_policy(model, ref_model, optimizer, prompts, responses, advantages, args, tokenizer.pad_token_id, autocast, update_generator)
             if llm is not None:
                 sync_vllm_weights(llm, model, args.vllm_sleep)
             elif plain_model is not model:
                 sync_generation_weights(plain_model, model)
 
+            # TRY NOT TO MODIFY: what the iteration achieved and cost
+            metrics.update(algo_metrics)
             metrics.update(episode_metrics(all_gather_objects([episode_stats(e) for e in episodes]), args.success_reward, "charts"))
-            totals = all_reduce([np.abs(advantages).sum(), len(turns), sum(map(len, prompts)), sum(map(len, responses)), timing["gen_tokens"]])
+            totals = all_reduce([np.abs(advantages).sum(), len(prompts), sum(map(len, prompts)),
+                                 sum(map(len, responses)), timing["gen_tokens"]])
             metrics.update({
                 "charts/advantage_abs_mean": totals[0] / max(totals[1], 1),
                 "perf/rollout_s": rollout_s,
@@ -1092,9 +1104,8 @@ if __name__ == "__main__":
                 "tokens/response": totals[3],
                 "tokens/samples": totals[1],
             })
-            # ALGO LOGIC: GiGPO's own metrics, over every rank's anchor groups
-            parts = all_gather_objects([(np.unique(step_groups, return_counts=True)[1], step_adv, step_returns)])
-            metrics.update(anchor_group_stats(*(np.concatenate(column) for column in zip(*parts))))
+
+            # TRY NOT TO MODIFY: evaluation, logging, checkpoints
             if iteration % args.eval_every == 0 or iteration == args.total_iterations:
                 metrics.update(evaluate(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size))
             if is_main:

@@ -34,6 +34,11 @@ third party documents it (shared/reference/seed_code.md (d)). Where the paper is
   and the cards' text are ours; groups with a crashed env make no card.
 - interpretation: `--no-cards` keeps exemplar cards out of the context (bank entries stay);
   `--no-adapt` shows the whole bank and never removes redundant entries.
+- interpretation: the scaffold counts against --max-prompt-tokens: each turn's prompt is grpo.py's (history
+  as it fits), headed by as many scaffold lines as still fit, most concrete first; an entry cut by the
+  budget still counts as shown. So `--no-adapt`'s full bank is cut to the budget rather than pushing out
+  the template head and history, and the token comparison is made at equal budgets.
+- Cost: tokens/* and perf/iteration_s include the policy reviewer's prompts, answers and time.
 """
 
 import os
@@ -343,14 +348,29 @@ def encode_prompt(tokenizer, text: str, answer_prefix: str = "") -> list[int]:
 
 
 def build_prompt(spec, tokenizer, args: Args, episode, obs, history: list) -> list[int]:
-    """The turn's prompt, built afresh; over budget it drops history, then keeps the tail."""
+    """The turn's prompt, built afresh; over budget it drops history, then keeps the tail.
+    ALGO LOGIC: the group's frozen scaffold heads the prompt and counts against the budget (fit_scaffold)."""
     for shown in range(min(args.history_length, len(history)), -1, -1):
-        # ALGO LOGIC: the group's frozen scaffold heads the prompt (empty in evaluation)
-        text = episode.scaffold + spec.prompt(episode.task, obs.observation, obs.admissible, history[len(history) - shown :] if shown else [], len(history), shown)
+        text = spec.prompt(episode.task, obs.observation, obs.admissible, history[len(history) - shown :] if shown else [], len(history), shown)
         ids = encode_prompt(tokenizer, text, args.response_prefix)
         if len(ids) <= args.max_prompt_tokens:
-            return ids
+            return fit_scaffold(tokenizer, args, episode, text, ids)
+    episode.scaffold_fit.append((0, bool(episode.scaffold)))  # ALGO LOGIC: no room for any scaffold
     return ids[-args.max_prompt_tokens :]
+
+
+def fit_scaffold(tokenizer, args: Args, episode, text: str, ids: list[int]) -> list[int]:
+    """ALGO LOGIC: the prompt grpo.py would build (`text`, `ids`: its history as it fits) headed by as many
+    lines of the group's scaffold as still fit the budget, most concrete first: the scaffold never pushes
+    out the template head, history or observation. Records (scaffold tokens, lines dropped?) per turn."""
+    lines = episode.scaffold.splitlines(keepends=True)
+    for keep in range(len(lines), 1, -1):  # lines[0] is the header: it alone is no scaffold
+        scaffolded = encode_prompt(tokenizer, "".join(lines[:keep]) + text, args.response_prefix)
+        if len(scaffolded) <= args.max_prompt_tokens:
+            episode.scaffold_fit.append((len(scaffolded) - len(ids), keep < len(lines)))
+            return scaffolded
+    episode.scaffold_fit.append((0, bool(lines)))
+    return ids
 
 
 # ----------------------------------------------------------------------------------------------
@@ -467,6 +487,7 @@ class Episode:
     crashed: bool = False
     scaffold: str = ""  # ALGO LOGIC: the scaffold text of the episode's group ("" = none)
     shown: list = field(default_factory=list)  # ALGO LOGIC: ids of the bank entries in it
+    scaffold_fit: list = field(default_factory=list)  # ALGO LOGIC: per turn, (scaffold tokens, lines dropped?)
 
 
 def rollout(spec, runner, tokenizer, generate, args: Args, episodes: list, temperature: float, desc: str, scaffold=None):
@@ -570,6 +591,15 @@ def flatten_turns(episodes: list[Episode], success_reward: float):
             rewards.append(success_reward * float(e.won))
             invalid.append(not t.valid)
     return turns, np.array(groups), np.array(rewards, dtype=np.float64), np.array(invalid, dtype=bool)
+
+
+def training_batch(episodes: list[Episode], args: Args):
+    """One iteration's algorithm, from the played episodes to what update_policy receives: the prompt
+    and response ids of every step sample, its advantage A_{i,t}, and the method's own metrics."""
+    turns, sample_groups, rewards, invalid = flatten_turns(episodes, args.success_reward)
+    scores = step_scores(rewards, invalid, args.invalid_penalty)
+    advantages = grpo_advantages(scores, sample_groups)
+    return [t.prompt_ids for t in turns], [t.response_ids for t in turns], advantages, {}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -794,6 +824,15 @@ def select_scaffold(task_id: str, entries: list, exemplar: Optional[str], ema: f
         items = items[: math.ceil(max_items * (1 - ema) - 1e-9)]
         items = items[: int((np.cumsum([est_tokens(text) for _, text in items]) <= max_tokens).sum())]
     return (SCAFFOLD_HEADER + "\n".join(text for _, text in items) + "\n", [i for i, _ in items]) if items else ("", [])
+
+
+def iteration_cards(episodes: list, success_reward: float, iteration: int) -> list:
+    """The iteration's evidence cards of every rank, one per task group (a group with a crashed env makes none)."""
+    groups = defaultdict(list)
+    for e in episodes:
+        groups[e.group].append(e)
+    cards = [evidence_card(g, success_reward, iteration) for g in groups.values() if not any(e.crashed for e in g)]
+    return all_gather_objects(cards)
 
 
 def review_bank(pats: dict, cards: list, reviewer, args: Args, iteration: int) -> dict:
@@ -1229,6 +1268,8 @@ if __name__ == "__main__":
         return select_scaffold(e.task_id, pats["bank"].get(e.task_type, []), exemplar, pats["ema"].get(e.task_type, 0.0),
                                args.scaffold_max_items, args.scaffold_max_tokens, not args.no_adapt)
 
+    review_cost = defaultdict(int)  # the reviewer's generated and read tokens this iteration
+
     def reviewer(task_type, cards, entries, mode, budget):  # ALGO LOGIC: the rules, or the policy writing JSON-lines edits
         if args.reviewer == "rules":
             return rules_review(cards, entries, mode, budget), 0
@@ -1238,6 +1279,8 @@ if __name__ == "__main__":
             if len(ids) <= budget_tokens:
                 break
         out = generate([ids[-budget_tokens:]], args.eval_temperature, args.reviewer_max_new_tokens)
+        review_cost["prompt"] += len(ids[-budget_tokens:])
+        review_cost["response"] += len(out[0])
         return all_gather_objects([parse_edits(tokenizer.decode(out[0], skip_special_tokens=True))])[0]  # rank 0's edits
 
     runner = envs.EnvRunner(spec, args.num_env_workers)
@@ -1254,24 +1297,31 @@ if __name__ == "__main__":
             timing = rollout(spec, runner, tokenizer, generate, args, episodes, args.temperature, "rollout", scaffold)
             rollout_s = time.perf_counter() - iteration_start
 
-            # ALGO LOGIC: step scores and group-normalised advantages
-            turns, sample_groups, rewards, invalid = flatten_turns(episodes, args.success_reward)
-            scores = step_scores(rewards, invalid, args.invalid_penalty)
-            advantages = grpo_advantages(scores, sample_groups)
+            # ALGO LOGIC: the method, from the played episodes to the samples and advantages trained on
+            prompts, responses, advantages, algo_metrics = training_batch(episodes, args)
 
             # TRY NOT TO MODIFY: the update
             if llm is not None and args.vllm_sleep:
                 llm.sleep(level=1)
-            prompts = [t.prompt_ids for t in turns]
-            responses = [t.response_ids for t in turns]
             metrics = update_policy(model, ref_model, optimizer, prompts, responses, advantages, args, tokenizer.pad_token_id, autocast, update_generator)
             if llm is not None:
                 sync_vllm_weights(llm, model, args.vllm_sleep)
             elif plain_model is not model:
                 sync_generation_weights(plain_model, model)
 
+            # ALGO LOGIC: the iteration's groups become evidence cards, each task type's bank is reviewed; the review's
+            # generation is part of the iteration's cost (perf/iteration_s here, tokens/* below)
+            review_cost.clear()
+            review_start = time.perf_counter()
+            cards = iteration_cards(episodes, args.success_reward, iteration)
+            algo_metrics.update(review_bank(pats, cards, reviewer, args, iteration))
+            algo_metrics["pats/review_s"] = time.perf_counter() - review_start
+
+            # TRY NOT TO MODIFY: what the iteration achieved and cost
+            metrics.update(algo_metrics)
             metrics.update(episode_metrics(all_gather_objects([episode_stats(e) for e in episodes]), args.success_reward, "charts"))
-            totals = all_reduce([np.abs(advantages).sum(), len(turns), sum(map(len, prompts)), sum(map(len, responses)), timing["gen_tokens"]])
+            totals = all_reduce([np.abs(advantages).sum(), len(prompts), sum(map(len, prompts)),
+                                 sum(map(len, responses)), timing["gen_tokens"]])
             metrics.update({
                 "charts/advantage_abs_mean": totals[0] / max(totals[1], 1),
                 "perf/rollout_s": rollout_s,
@@ -1283,16 +1333,21 @@ if __name__ == "__main__":
                 "tokens/response": totals[3],
                 "tokens/samples": totals[1],
             })
-            # ALGO LOGIC: this iteration's groups become evidence cards; each task type's bank is reviewed
-            scaffold_tokens = {e.scaffold: len(tokenizer(e.scaffold, add_special_tokens=False)["input_ids"]) for e in episodes}
-            sums = all_reduce([sum(scaffold_tokens[e.scaffold] * len(e.turns) for e in episodes), sum(len(e.shown) for e in episodes), len(episodes)])
+
+            # ALGO LOGIC: the reviewer's tokens; the scaffold in the training prompts
+            metrics["tokens/prompt"] += review_cost["prompt"]  # every rank reviews alike: counted once
+            metrics["tokens/response"] += review_cost["response"]
+            metrics["pats/reviewer_prompt_tokens"] = review_cost["prompt"]
+            metrics["pats/reviewer_response_tokens"] = review_cost["response"]
+            fits = [fit for e in episodes for fit in e.scaffold_fit]
+            scaffolded = sum(len(e.turns) for e in episodes if e.scaffold)
+            sums = all_reduce([sum(n for n, _ in fits), sum(trimmed for _, trimmed in fits), scaffolded,
+                               sum(len(e.shown) for e in episodes), len(episodes)])
             metrics["pats/scaffold_tokens"] = sums[0] / max(totals[1], 1)  # per prompt (step sample)
-            metrics["pats/scaffold_items"] = sums[1] / max(sums[2], 1)
-            groups = defaultdict(list)
-            for e in episodes:
-                groups[e.group].append(e)
-            cards = all_gather_objects([evidence_card(g, args.success_reward, iteration) for g in groups.values() if not any(e.crashed for e in g)])
-            metrics.update(review_bank(pats, cards, reviewer, args, iteration))
+            metrics["pats/scaffold_trimmed_frac"] = sums[1] / max(sums[2], 1)  # of the prompts given a scaffold
+            metrics["pats/scaffold_items"] = sums[3] / max(sums[4], 1)
+
+            # TRY NOT TO MODIFY: evaluation, logging, checkpoints
             if iteration % args.eval_every == 0 or iteration == args.total_iterations:
                 metrics.update(evaluate(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size))
             if is_main:

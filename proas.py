@@ -657,18 +657,22 @@ def proas_shape(adv, re, pa, shaping: str = "proas", apr_set: str = "nonadvancin
     return shaped, weights
 
 
-def proas_advantages(scores, groups, lengths: list[int], labels: list, shaping: str, apr_set: str, eps: float, progress_coef: float):
-    """Per step sample: the baseline GRPO advantage (of s_{i,t} + c * PA_t for `pr`), then Eq. 7 per
-    trajectory. `lengths[i]` and `labels[i]` (Re, PA arrays, or None for a task without a graph: its
-    steps stay unshaped) are per episode, in flatten_turns order. Returns (A, A~, APR weights)."""
-    pa_all = np.concatenate([np.zeros(n) if lab is None else lab[1] for n, lab in zip(lengths, labels)] + [np.zeros(0)])
-    advantages = grpo_advantages(scores + progress_coef * pa_all if shaping == "pr" else scores, groups)
-    shaped, weights, start = advantages.copy(), np.full(len(advantages), np.nan), 0
+def progress_per_step(lengths: list[int], labels: list) -> np.ndarray:
+    """PA_t of every step sample in flatten_turns order (0 on the steps of a task without a graph)."""
+    return np.concatenate([np.zeros(n) if lab is None else lab[1] for n, lab in zip(lengths, labels)] + [np.zeros(0)])
+
+
+def proas_advantages(advantages, lengths: list[int], labels: list, shaping: str, apr_set: str, eps: float):
+    """Eq. 7 per trajectory on the base method's advantages A_{i,t} (one per step sample, in flatten_turns
+    order). `lengths[i]` and `labels[i]` (Re, PA arrays, or None for a task without a graph: its steps stay
+    unshaped) are per episode. Returns (A~, APR weight or nan per step sample)."""
+    shaped, weights, start = np.array(advantages, dtype=np.float64), np.full(len(advantages), np.nan), 0
     for n, lab in zip(lengths, labels):
         if lab is not None:
-            shaped[start : start + n], weights[start : start + n] = proas_shape(advantages[start : start + n], *lab, shaping, apr_set, eps)
+            piece = slice(start, start + n)
+            shaped[piece], weights[piece] = proas_shape(advantages[piece], *lab, shaping, apr_set, eps)
         start += n
-    return advantages, shaped, weights
+    return shaped, weights
 
 
 def replay_reference(spec, runner, task_ids: list[str], edge_drop: float = 0.0, seed: int = 0) -> dict:
@@ -714,11 +718,16 @@ def label_then_grow(spec, graphs: dict, episodes: list, edge_match: str, grow: b
 
 def permute_labels(labels: list, rng: np.random.Generator) -> list:
     """Table 2b random labels: the (Re_t, PA_t) pairs of all labelled steps, shuffled across the batch."""
-    pairs = np.concatenate([np.stack(lab, 1) for lab in labels if lab is not None] + [np.zeros((0, 2))])[rng.permutation(sum(len(lab[0]) for lab in labels if lab is not None))]
+    pairs = np.concatenate([np.stack(lab, 1) for lab in labels if lab is not None] + [np.zeros((0, 2))])
+    pairs = pairs[rng.permutation(len(pairs))]
     out, start = [], 0
     for lab in labels:
-        out.append(None if lab is None else (pairs[start : start + len(lab[0]), 0], pairs[start : start + len(lab[0]), 1]))
-        start += 0 if lab is None else len(lab[0])
+        if lab is None:
+            out.append(None)
+            continue
+        n = len(lab[0])
+        out.append((pairs[start : start + n, 0], pairs[start : start + n, 1]))
+        start += n
     return out
 
 
@@ -751,6 +760,37 @@ def proas_metrics(won: list, task_ids: list, labels: list, advantages, shaped, w
         w = weights[np.isfinite(weights)]
         m.update({"proas/apr_weight_mean": float(w.mean()), "proas/apr_weight_min": float(w.min()), "proas/apr_weight_max": float(w.max())})
     return m
+
+
+def training_batch(spec, runner, episodes: list[Episode], graphs: dict, args: Args, iteration: int):
+    """One iteration's algorithm, from the played episodes to what update_policy receives: the prompt
+    and response ids of every step sample, its advantage A_{i,t}, and the method's own metrics.
+    ALGO LOGIC: ProAS. A task seen for the first time gets G^(0) by replaying its reference actions;
+    labels (Re, PA) of iteration k come from G^(k), only then G^(k+1) is grown; the base method's A_{i,t}
+    (grpo.py's) is shaped by Eq. 7 per trajectory (`--shaping pr`: c * PA_t joins the step score instead)."""
+    start = time.perf_counter()
+    new_tasks = [t for t in dict.fromkeys(e.task_id for e in episodes) if t not in graphs]
+    graphs.update(replay_reference(spec, runner, new_tasks, args.arg_edge_drop, args.seed) if new_tasks else {})
+    labels, edges_added = label_then_grow(spec, graphs, episodes, args.edge_match, grow=not args.static_arg)
+    if distributed():  # every rank keeps every task's graph (rank 0 saves them)
+        graphs.update(dict(all_gather_objects([(t, graphs[t]) for t in dict.fromkeys(e.task_id for e in episodes)])))
+    if args.arg_random_labels:  # a stream per (seed, iteration, rank)
+        rank = dist.get_rank() if distributed() else 0
+        labels = permute_labels(labels, np.random.default_rng([args.seed, iteration, rank]))
+    turns, sample_groups, rewards, invalid = flatten_turns(episodes, args.success_reward)
+    scores = step_scores(rewards, invalid, args.invalid_penalty)
+    lengths = [len(e.turns) for e in episodes]
+    if args.shaping == "pr":
+        scores = scores + args.progress_reward_coef * progress_per_step(lengths, labels)
+    baseline = grpo_advantages(scores, sample_groups)
+    advantages, apr_weights = proas_advantages(baseline, lengths, labels, args.shaping, args.apr_set, args.apr_eps)
+    # the labels and both advantages of every rank
+    won, task_ids, all_labels = zip(*all_gather_objects([(e.won, e.task_id, lab) for e, lab in zip(episodes, labels)]))
+    gathered = (np.array(all_gather_objects(list(x)), dtype=np.float64) for x in (baseline, advantages, apr_weights))
+    metrics = proas_metrics(won, task_ids, all_labels, *gathered, graphs)
+    metrics["proas/graph_edges_added"] = all_reduce([edges_added])[0]
+    metrics["perf/proas_s"] = time.perf_counter() - start
+    return [t.prompt_ids for t in turns], [t.response_ids for t in turns], advantages, metrics
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1161,40 +1201,23 @@ if __name__ == "__main__":
             timing = rollout(spec, runner, tokenizer, generate, args, episodes, args.temperature, "rollout")
             rollout_s = time.perf_counter() - iteration_start
 
-            # ALGO LOGIC: step scores and group-normalised advantages
-            turns, sample_groups, rewards, invalid = flatten_turns(episodes, args.success_reward)
-            scores = step_scores(rewards, invalid, args.invalid_penalty)
-            # ALGO LOGIC: labels from G^(k), then growth (a task seen for the first time gets its graph from its reference actions)
-            graph_start = time.perf_counter()
-            new_tasks = [t for t in dict.fromkeys(e.task_id for e in episodes) if t not in graphs]
-            graphs.update(replay_reference(spec, runner, new_tasks, args.arg_edge_drop, args.seed) if new_tasks else {})
-            labels, edges_added = label_then_grow(spec, graphs, episodes, args.edge_match, grow=not args.static_arg)
-            if distributed():  # every rank keeps every task's graph (rank 0 saves them)
-                graphs.update(dict(all_gather_objects([(t, graphs[t]) for t in dict.fromkeys(e.task_id for e in episodes)])))
-            if args.arg_random_labels:
-                labels = permute_labels(labels, np.random.default_rng([args.seed, iteration, rank]))
-            baseline_advantages, advantages, apr_weights = proas_advantages(scores, sample_groups, [len(e.turns) for e in episodes], labels,
-                                                                            args.shaping, args.apr_set, args.apr_eps, args.progress_reward_coef)
-            won, task_ids, all_labels = zip(*all_gather_objects([(e.won, e.task_id, lab) for e, lab in zip(episodes, labels)]))
-            proas_stats = proas_metrics(won, task_ids, all_labels, *(np.array(all_gather_objects(list(x)), dtype=np.float64)
-                                                                     for x in (baseline_advantages, advantages, apr_weights)), graphs)
-            proas_stats["proas/graph_edges_added"] = all_reduce([edges_added])[0]
-            proas_stats["perf/proas_s"] = time.perf_counter() - graph_start
+            # ALGO LOGIC: the method, from the played episodes to the samples and advantages trained on
+            prompts, responses, advantages, algo_metrics = training_batch(spec, runner, episodes, graphs, args, iteration)
 
             # TRY NOT TO MODIFY: the update
             if llm is not None and args.vllm_sleep:
                 llm.sleep(level=1)
-            prompts = [t.prompt_ids for t in turns]
-            responses = [t.response_ids for t in turns]
             metrics = update_policy(model, ref_model, optimizer, prompts, responses, advantages, args, tokenizer.pad_token_id, autocast, update_generator)
             if llm is not None:
                 sync_vllm_weights(llm, model, args.vllm_sleep)
             elif plain_model is not model:
                 sync_generation_weights(plain_model, model)
 
+            # TRY NOT TO MODIFY: what the iteration achieved and cost
+            metrics.update(algo_metrics)
             metrics.update(episode_metrics(all_gather_objects([episode_stats(e) for e in episodes]), args.success_reward, "charts"))
-            totals = all_reduce([np.abs(advantages).sum(), len(turns), sum(map(len, prompts)), sum(map(len, responses)), timing["gen_tokens"]])
-            metrics.update(proas_stats)  # ALGO LOGIC
+            totals = all_reduce([np.abs(advantages).sum(), len(prompts), sum(map(len, prompts)),
+                                 sum(map(len, responses)), timing["gen_tokens"]])
             metrics.update({
                 "charts/advantage_abs_mean": totals[0] / max(totals[1], 1),
                 "perf/rollout_s": rollout_s,
@@ -1206,6 +1229,8 @@ if __name__ == "__main__":
                 "tokens/response": totals[3],
                 "tokens/samples": totals[1],
             })
+
+            # TRY NOT TO MODIFY: evaluation, logging, checkpoints
             if iteration % args.eval_every == 0 or iteration == args.total_iterations:
                 metrics.update(evaluate(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size))
             if is_main:

@@ -748,6 +748,49 @@ def self_judge(tokenizer, generate, args: Args, episodes: list) -> dict:
             "judged": len(judged), "tokens": sum(len(r) for r in responses)}
 
 
+def training_batch(episodes: list[Episode], args: Args):
+    """One iteration's algorithm, from the played episodes to what update_policy receives: the prompt
+    and response ids of every step sample, its advantage A_{i,t}, and the method's own metrics.
+    ALGO LOGIC: StraTA's two levels. Actions: GRPO within each (task x strategy) group on the judged step
+    scores (interpretation: normalised over the group's step samples, not its trajectories). Strategies:
+    one sample per strategy z (its tokens), after the step samples; its advantage is its top-delta reward
+    normalised over the N strategies of its task. Also returns which samples are z."""
+    turns, sample_groups, rewards, invalid = flatten_turns(episodes, args.success_reward)
+    flagged = np.array([k in e.flagged for e in episodes for k in range(1, len(e.turns) + 1)], dtype=bool)
+    scores = action_scores(rewards, invalid, flagged, args.success_reward, args.invalid_penalty, args.judge_penalty)
+    advantages = grpo_advantages(scores, sample_groups)
+    groups = defaultdict(list)  # (task x strategy) group -> its M episodes, which share one z
+    for e in episodes:
+        groups[e.group].append(e)
+    strategies, z_rewards, z_tasks = [], [], []
+    for members in groups.values():
+        z = members[0].strategy
+        returns = np.array([float(e.won) for e in members])  # R_i / success_reward
+        z_rewards.append(strategy_reward(returns, args.top_delta, len(z.response_ids), args.strategy_token_budget,
+                                         args.strategy_length_penalty, z.tagged, args.strategy_format_penalty))
+        strategies.append(z)
+        z_tasks.append(members[0].task_group)
+    z_advantages = grpo_advantages(np.array(z_rewards), np.array(z_tasks))
+    prompts = [t.prompt_ids for t in turns] + [z.prompt_ids for z in strategies]
+    responses = [t.response_ids for t in turns] + [z.response_ids for z in strategies]
+    is_strategy = np.array([False] * len(turns) + [True] * len(strategies))
+    z = defaultdict(list)  # the strategies of every rank
+    mine = {"reward": z_rewards, "adv": z_advantages.tolist(), "tagged": [s.tagged for s in strategies],
+            "tokens": [len(s.response_ids) for s in strategies]}
+    for part in all_gather_objects([mine]):
+        for k, v in part.items():
+            z[k] += v
+    z = {k: np.array(v, dtype=np.float64) for k, v in z.items()}
+    metrics = {
+        "strata/strategy_reward": float(z["reward"].mean()),
+        "strata/strategy_reward_std": float(z["reward"].std()),
+        "strata/strategy_advantage_abs_mean": float(np.abs(z["adv"]).mean()),
+        "strata/strategy_tokens": float(z["tokens"].mean()),
+        "strata/strategy_format_ok": float(z["tagged"].mean()),
+    }
+    return prompts, responses, np.concatenate([advantages, z_advantages]), is_strategy, metrics
+
+
 # ----------------------------------------------------------------------------------------------
 # Update: PPO-clip with dual clip, k3 KL, entropy bonus; token-mean over each minibatch
 # ----------------------------------------------------------------------------------------------
@@ -1189,31 +1232,24 @@ if __name__ == "__main__":
             judged = self_judge(tokenizer, generate, args, episodes) if args.judgment else {}
             judge_s = time.perf_counter() - judge_s
 
-            # ALGO LOGIC: action level: GRPO within each (task x strategy) group on judged step scores
-            turns, sample_groups, rewards, invalid = flatten_turns(episodes, args.success_reward)
-            flagged = np.array([k in e.flagged for e in episodes for k in range(1, len(e.turns) + 1)], dtype=bool)
-            scores = action_scores(rewards, invalid, flagged, args.success_reward, args.invalid_penalty, args.judge_penalty)
-            advantages = grpo_advantages(scores, sample_groups)
-            # ALGO LOGIC: strategy level: top-delta reward, normalised over the N strategies of the task
-            strategies = [z for g in my_groups for z in chosen[g]]
-            z_rewards = np.array([strategy_reward(np.array([float(e.won) for e in episodes if e.group == my_groups.start * N + k]), args.top_delta, len(z.response_ids),
-                                                  args.strategy_token_budget, args.strategy_length_penalty, z.tagged, args.strategy_format_penalty) for k, z in enumerate(strategies)])
-            z_advantages = grpo_advantages(z_rewards, np.arange(len(strategies)) // N)
+            # ALGO LOGIC: the method, from the played episodes to the samples and advantages trained on
+            prompts, responses, advantages, is_strategy, algo_metrics = training_batch(episodes, args)
 
-            # TRY NOT TO MODIFY: the update
+            # the update (ALGO LOGIC: update_policy weighs the strategy samples' token-mean by lambda)
             if llm is not None and args.vllm_sleep:
                 llm.sleep(level=1)
-            prompts = [t.prompt_ids for t in turns] + [z.prompt_ids for z in strategies]  # ALGO LOGIC: + one sample per strategy
-            responses = [t.response_ids for t in turns] + [z.response_ids for z in strategies]
-            is_strategy = [False] * len(turns) + [True] * len(strategies)
-            metrics = update_policy(model, ref_model, optimizer, prompts, responses, np.concatenate([advantages, z_advantages]), args, tokenizer.pad_token_id, autocast, update_generator, is_strategy)
+            metrics = update_policy(model, ref_model, optimizer, prompts, responses, advantages, args,
+                                    tokenizer.pad_token_id, autocast, update_generator, is_strategy)
             if llm is not None:
                 sync_vllm_weights(llm, model, args.vllm_sleep)
             elif plain_model is not model:
                 sync_generation_weights(plain_model, model)
 
+            # TRY NOT TO MODIFY: what the iteration achieved and cost
+            metrics.update(algo_metrics)
             metrics.update(episode_metrics(all_gather_objects([episode_stats(e) for e in episodes]), args.success_reward, "charts"))
-            totals = all_reduce([np.abs(advantages).sum(), len(turns), sum(map(len, prompts)), sum(map(len, responses)), timing["gen_tokens"]])
+            totals = all_reduce([np.abs(advantages).sum(), len(prompts), sum(map(len, prompts)),
+                                 sum(map(len, responses)), timing["gen_tokens"]])
             metrics.update({
                 "charts/advantage_abs_mean": totals[0] / max(totals[1], 1),
                 "perf/rollout_s": rollout_s,
@@ -1225,29 +1261,24 @@ if __name__ == "__main__":
                 "tokens/response": totals[3],
                 "tokens/samples": totals[1],
             })
-            z = defaultdict(list)  # the strategies of every rank
-            for part in all_gather_objects([{"reward": z_rewards.tolist(), "adv": z_advantages.tolist(), "tokens": [len(s.response_ids) for s in strategies],
-                                             "tagged": [s.tagged for s in strategies], **diversity}]):
-                for k, v in part.items():
-                    z[k] += v
-            z = {k: np.array(v, dtype=np.float64) for k, v in z.items()}
+
+            # ALGO LOGIC: StraTA's rollout-side numbers: diversity of the chosen strategies, self-judgment, time shares
+            diversity = {k: np.array(all_gather_objects(v)) for k, v in diversity.items()}  # every rank's tasks
             if judged:
                 j = dict(zip(judged, all_reduce(list(judged.values()))))
-                metrics.update({"strata/judge_flagged_frac": j["flagged"] / max(j["steps"], 1), "strata/judge_parse_fail_frac": j["failures"] / max(j["judged"], 1),
+                metrics.update({"strata/judge_flagged_frac": j["flagged"] / max(j["steps"], 1),
+                                "strata/judge_parse_fail_frac": j["failures"] / max(j["judged"], 1),
                                 "strata/judge_tokens": j["tokens"]})
-            metrics.update({  # ALGO LOGIC: StraTA's own numbers
-                "strata/strategy_reward": float(z["reward"].mean()),
-                "strata/strategy_reward_std": float(z["reward"].std()),
-                "strata/strategy_advantage_abs_mean": float(np.abs(z["adv"]).mean()),
-                "strata/strategy_tokens": float(z["tokens"].mean()),
-                "strata/strategy_format_ok": float(z["tagged"].mean()),
-                "strata/diversity_chosen": float(z["chosen"].mean()),
-                "strata/diversity_random": float(z["random"].mean()),
+            metrics.update({
+                "strata/diversity_chosen": float(diversity["chosen"].mean()),
+                "strata/diversity_random": float(diversity["random"].mean()),
                 "strata/strategy_s": strategy_s,
                 "strata/judge_s": judge_s,
                 "strata/strategy_time_frac": strategy_s / metrics["perf/iteration_s"],
                 "strata/judge_time_frac": judge_s / metrics["perf/iteration_s"],
             })
+
+            # TRY NOT TO MODIFY: evaluation, logging, checkpoints
             if iteration % args.eval_every == 0 or iteration == args.total_iterations:
                 metrics.update(evaluate(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size))
             if is_main:

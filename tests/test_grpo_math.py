@@ -1,9 +1,11 @@
-"""grpo.py's formulas against numbers computed by hand; the update (update_policy) against the same
-steps written with plain torch."""
+"""grpo.py's formulas against numbers computed by hand; the iteration's algorithm (training_batch) and
+the update (update_policy) through the code the script runs, against independent computations."""
 
 import copy
 import importlib
+import itertools
 import math
+import statistics
 
 import numpy as np
 import pytest
@@ -157,6 +159,43 @@ def test_old_logprobs_are_the_weights_before_the_first_step_for_every_minibatch(
     assert moved > 1e-3  # the steps are large enough that a ratio of 1 in the second minibatch would show
     for (name, a), b in zip(model.named_parameters(), by_hand.parameters()):
         assert torch.allclose(a, b, atol=1e-6), name
+
+
+# ---- the iteration's algorithm: training_batch, as the main loop calls it ------------------------------
+_ids = itertools.count(100)
+
+
+def hand_episode(task_id: str, group: int, won: bool, valid: list[bool]) -> grpo.Episode:
+    """An episode as rollout leaves it; every turn gets its own prompt and response ids."""
+    episode = grpo.Episode(task_id, group, won=won)
+    for ok in valid:
+        k = next(_ids)
+        episode.turns.append(grpo.Turn([k, k], [k], "look" if ok else "lo", ok, f"obs {k}", None))
+    return episode
+
+
+def by_hand_grpo(scores_per_group: list[list[float]]) -> list[float]:
+    """(s - mean) / (unbiased std + 1e-6) within each group, with the statistics module."""
+    return [(s - statistics.mean(g)) / (statistics.stdev(g) + 1e-6) for g in scores_per_group for s in g]
+
+
+def test_training_batch_gives_every_step_sample_its_group_normalised_score():
+    episodes = [
+        hand_episode("task-a", 0, True, [True, False, True]),  # s = 10, 9.9, 10
+        hand_episode("task-a", 0, False, [True, False]),  # 0, -0.1
+        hand_episode("task-a", 0, False, [True]),  # 0
+        hand_episode("task-b", 1, True, [True, True]),  # 10, 10
+        hand_episode("task-b", 1, True, [False]),  # 9.9
+        hand_episode("task-b", 1, False, [False, False]),  # -0.1, -0.1
+    ]
+    args = grpo.Args(success_reward=10.0, invalid_penalty=0.1)
+    prompts, responses, advantages, metrics = grpo.training_batch(episodes, args)
+    expected = by_hand_grpo([[10, 9.9, 10, 0, -0.1, 0], [10, 10, 9.9, -0.1, -0.1]])
+    assert advantages.tolist() == pytest.approx(expected, rel=1e-9)
+    assert expected[1] < expected[0] and expected[7] > 0  # the penalty hits its own step; a malformed win is good
+    turns = [t for e in episodes for t in e.turns]
+    assert prompts == [t.prompt_ids for t in turns] and responses == [t.response_ids for t in turns]
+    assert metrics == {}
 
 
 # ---- the update: one update_policy call against the same steps written with plain torch ---------------
