@@ -16,7 +16,7 @@ import envs
 def check(name: str, split: str | None, num_tasks: int, num_workers: int, data: str | None, url: str | None) -> int:
     try:
         spec = envs.load(name, data=data, url=url)
-        split = split or spec.preset.eval_split
+        split = split or spec.preset.eval_split.split(",")[0]  # the first of the env's eval splits
         tasks = spec.task_ids(split)[:num_tasks]
     except (ValueError, envs.EnvUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -22,10 +22,11 @@ from pathlib import Path
 
 from envs import EnvUnavailable, Preset, Step, verl_answer, verl_projection
 
-# verl-agent's defaults (examples/*_trainer/run_alfworld.sh); its validation set is in-distribution.
+# verl-agent's defaults (examples/*_trainer/run_alfworld.sh). Its validation set is in-distribution;
+# the papers also report the unseen games, so evaluation plays both and logs each (eval/{split}/*).
 PRESET = Preset(
     max_steps=50, history_length=2, max_prompt_tokens=2048, max_new_tokens=512,
-    success_reward=10.0, invalid_penalty=0.1, eval_split="eval_in_distribution",
+    success_reward=10.0, invalid_penalty=0.1, eval_split="eval_in_distribution,eval_out_of_distribution",
 )
 
 SPLITS = {"train": "train", "eval_in_distribution": "valid_seen", "eval_out_of_distribution": "valid_unseen"}

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -176,3 +177,63 @@ def test_sft_probes_its_env_and_stops_when_most_replayed_plans_crash(tiny_model,
     assert stderr.strip().splitlines()[-1] == ("error: 14 of 14 episodes of this iteration crashed (see the warnings "
                                                "above): the env is failing; stopping rather than training on them")
     assert not list((only_run(tmp_path / "runs")).glob("checkpoint*"))
+
+
+# ---- the update: one epoch against the same SGD steps written with plain torch ---------------------
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 15]]
+RESPONSES = [[20, 21, 22, 23], [24], [25, 26], [27, 28, 29]]
+NO_AUTOCAST = lambda: torch.autocast("cpu", enabled=False)  # noqa: E731
+
+
+def sft_update(model, optimizer, args, seed):
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    metrics, steps = sft.update_policy(model, optimizer, scheduler, PROMPTS, RESPONSES, args, 0, NO_AUTOCAST,
+                                       torch.Generator().manual_seed(seed))
+    return metrics, steps, scheduler
+
+
+def test_update_is_the_token_mean_nll_at_temperature_one_whatever_the_sampling_temperature(tiny_model):
+    """--temperature 0.7 (the RL runs' sampling temperature) leaves the clone's loss the plain NLL."""
+    from transformers import AutoModelForCausalLM
+
+    lr = 0.2
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    by_hand = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    args = sft.Args(minibatch_size=2, max_grad_norm=1e9, temperature=0.7)
+    metrics, steps, _ = sft_update(model, torch.optim.SGD(model.parameters(), lr=lr), args, 0)
+
+    minibatches = np.array_split(torch.randperm(4, generator=torch.Generator().manual_seed(0)).numpy(), 2)
+    nlls = []
+    for minibatch in minibatches:
+        by_hand.zero_grad()
+        n = sum(len(RESPONSES[i]) for i in minibatch)
+        loss = 0.0
+        for i in minibatch:
+            p, r = PROMPTS[i], RESPONSES[i]
+            logits = by_hand(torch.tensor([p + r])).logits[0, len(p) - 1 : len(p) + len(r) - 1]
+            loss = loss - torch.log_softmax(logits.float(), -1)[torch.arange(len(r)), torch.tensor(r)].sum() / n
+        loss.backward()
+        nlls.append(loss.item())
+        with torch.no_grad():
+            for q in by_hand.parameters():
+                q -= lr * q.grad
+    for (name, a), b in zip(model.named_parameters(), by_hand.parameters()):
+        assert torch.allclose(a, b, atol=1e-6), name
+    assert [nll for nll, _ in steps] == pytest.approx(nlls, rel=1e-5)
+    assert metrics["perf/optimizer_steps"] == 2 and metrics["losses/skipped_steps"] == 0
+
+
+def test_a_non_finite_gradient_skips_the_optimizer_step_and_is_counted(tiny_model):
+    """A nan in the final norm (a diverged model) makes every gradient nan: no step is taken, not even
+    AdamW's weight decay, and both minibatches are counted; the learning-rate schedule moves on."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    metrics, steps, scheduler = sft_update(model, optimizer, sft.Args(minibatch_size=2), 3)
+    assert metrics["losses/skipped_steps"] == 2 and metrics["perf/optimizer_steps"] == 0
+    assert math.isnan(metrics["losses/grad_norm"]) and len(steps) == 2 and scheduler.last_epoch == 2
+    assert all(torch.allclose(p, q, equal_nan=True) for p, q in zip(model.parameters(), before)) and not optimizer.state
