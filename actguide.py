@@ -40,6 +40,11 @@ Interpretations (the paper or its code is silent, or we chose):
   actguide/unguided_success_rate is the policy's own success in the unguided rollout.
 - The re-encoding keeps the same history window as the guided prompt and only drops g_k; the
   KL reference is taken under the unguided prompt (as the official dp_actor).
+- interpretation: the loss and batch defaults are grpo.py's, not the official release's: KL coefficient
+  0.01 (official 0.001), entropy coefficient 0.001 (official 0), 16 tasks x 8 episodes per iteration in
+  minibatches of up to 256 step samples (official: 32 prompts x 8, two PPO minibatches of 16 prompts).
+  The release's other loss modes (LUFFY shaping, on-policy distillation from a guided teacher; both off
+  in its recipe) are not built.
 """
 
 import os
@@ -99,7 +104,7 @@ class Args:
     num_env_workers: int = 4
     """worker processes stepping the env instances in parallel"""
     eval_split: Optional[str] = None
-    """held-out split used for evaluation (default: the env's preset)"""
+    """held-out split(s) used for evaluation, comma-separated, each logged apart (default: the env's preset)"""
 
     # Rollout
     num_tasks: int = 16
@@ -120,7 +125,7 @@ class Args:
     """text every action turn's answer starts with (e.g. `<think>` for small models): part of the
     prompt, so never trained on, and put back in front of the response before the action is parsed"""
     temperature: float = 1.0
-    """sampling temperature of training rollouts"""
+    """sampling temperature of training rollouts; training log-probs divide the logits by it (as verl)"""
     top_p: float = 1.0
     """nucleus sampling of training rollouts"""
 
@@ -158,7 +163,7 @@ class Args:
     eval_every: int = 5
     """evaluate every N iterations (and before the first and after the last)"""
     num_eval_tasks: int = 128
-    """held-out tasks evaluated each time (the same list every time, chosen by seed)"""
+    """held-out tasks evaluated each time, per eval split (the same list every time, chosen by seed)"""
     eval_temperature: float = 0.4
     """sampling temperature of evaluation episodes"""
 
@@ -214,6 +219,8 @@ def resolve_args(args: Args, spec) -> Args:
         fail(f"--group-size must be at least 2 for a group baseline (got {args.group_size})")
     if args.num_tasks < 1 or args.max_steps < 1 or args.max_new_tokens < 1:
         fail("--num-tasks, --max-steps and --max-new-tokens must be positive")
+    if args.temperature <= 0:
+        fail(f"--temperature must be positive (training log-probs divide the logits by it), got {args.temperature}")
     if args.probe_episodes < 1 or args.max_probe_rounds < 0 or (args.fixed_k is not None and args.fixed_k < 0):  # ALGO LOGIC
         fail("--probe-episodes must be positive, --max-probe-rounds and --fixed-k not negative")
     return args
@@ -576,6 +583,19 @@ def flatten_turns(episodes: list[Episode], success_reward: float):
     return turns, np.array(groups), np.array(rewards, dtype=np.float64), np.array(invalid, dtype=bool)
 
 
+def training_batch(episodes: list[Episode], args: Args):
+    """One iteration's algorithm, from the played episodes to what update_policy receives: the prompt
+    and response ids of every step sample, its advantage A_{i,t}, and the method's own metrics.
+    ALGO LOGIC: grpo.py's advantages over the groups trained on, guided ones included (a guided group
+    replaced its unguided one whole, so its baseline is its own guided episodes); each sample also gets
+    its prompt without g_k, which the update re-encodes (an unguided step's is its prompt itself)."""
+    turns, sample_groups, rewards, invalid = flatten_turns(episodes, args.success_reward)
+    scores = step_scores(rewards, invalid, args.invalid_penalty)
+    advantages = grpo_advantages(scores, sample_groups)
+    unguided_prompts = [p for e in episodes for p in e.unguided_prompts]  # flatten_turns' order
+    return [t.prompt_ids for t in turns], [t.response_ids for t in turns], advantages, unguided_prompts, {}
+
+
 # ----------------------------------------------------------------------------------------------
 # ALGO LOGIC: ActGuide-RL's guidance g_k, the search for the smallest k, the guided re-roll
 # ----------------------------------------------------------------------------------------------
@@ -710,16 +730,17 @@ def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
     return input_ids, attention_mask, response_mask
 
 
-def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor):
-    logits = lm_head(hidden).float()
+def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
+    logits = lm_head(hidden).float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
 
 
-def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tokens: int):
-    """log pi(y_k | x, y_<k) and entropy for every response token, flattened row by row.
+def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tokens: int, temperature: float = 1.0):
+    """log pi(y_k | x, y_<k) and entropy for every response token, flattened row by row, of the
+    distribution the rollout sampled from: softmax(logits / temperature), as verl computes them.
     Logits exist only for response positions, `chunk_tokens` rows at a time; with grad, each
     chunk is recomputed in backward instead of keeping full-vocabulary logits alive."""
     captured = []  # the final norm's output, i.e. what lm_head reads
@@ -736,9 +757,10 @@ def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tok
     for start in range(0, targets.shape[0], chunk_tokens):
         h, y = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         if torch.is_grad_enabled():
-            logp, entropy = torch.utils.checkpoint.checkpoint(_chunk_logprobs, model.lm_head, h, y, use_reentrant=False)
+            logp, entropy = torch.utils.checkpoint.checkpoint(_chunk_logprobs, model.lm_head, h, y, temperature,
+                                                              use_reentrant=False)
         else:
-            logp, entropy = _chunk_logprobs(model.lm_head, h, y)
+            logp, entropy = _chunk_logprobs(model.lm_head, h, y, temperature)
         logps.append(logp)
         entropies.append(entropy)
     return torch.cat(logps), torch.cat(entropies)
@@ -772,7 +794,8 @@ def recompute_logprobs(model, prompts, responses, args: Args, pad_id: int, autoc
         rows = batch or []  # None: a dummy pass of one padding token keeps FSDP ranks in step
         ids, attn, resp = collate([prompts[i] for i in rows] or [[pad_id]], [responses[i] for i in rows] or [[pad_id]], pad_id)
         with autocast():
-            logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+            logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device),
+                                        args.logprob_chunk_tokens, args.temperature)
         for i, part in zip(rows, logp.float().cpu().split([len(responses[i]) for i in rows])):
             out[i] = part
     return out
@@ -781,18 +804,23 @@ def recompute_logprobs(model, prompts, responses, args: Args, pad_id: int, autoc
 def update_policy(model, ref_model, optimizer, prompts, responses, advantages, args: Args, pad_id: int, autocast, generator, unguided_prompts=None):
     """Old (and reference) log-probs first, then `update_epochs` passes of minibatch PPO steps.
     Under torchrun each rank holds its own groups' samples; a minibatch is the union of one
-    slice from every rank and its loss is the token-mean over all of their response tokens."""
+    slice from every rank and its loss is the token-mean over all of their response tokens.
+    Every pass (old, reference, new) scores softmax(logits / temperature), the distribution the
+    rollout sampled from (verl); a step whose gradient norm is not finite is skipped and counted."""
     # ALGO LOGIC: mixed-policy update. Old log-probs under the prompts actually used (x_guided for
     # guided steps: the behaviour policy); the training forward and the KL reference re-encode every
     # step with its unguided prompt, so ratio = pi_theta(y | x_unguided) / pi_old(y | x_guided).
+    # interpretation: kl_coef and entropy_coef keep grpo.py's defaults (official: 0.001 and 0); no LUFFY
+    # shaping or distillation branch (the release has both, off by default).
     device = next(model.parameters()).device
     world_size = dist.get_world_size() if distributed() else 1
     num_minibatches = max(1, math.ceil(all_reduce([len(prompts)])[0] / args.minibatch_size))
     epochs = [np.array_split(torch.randperm(len(prompts), generator=generator).numpy(), num_minibatches)
               for _ in range(args.update_epochs)]
     # Until the first optimizer step the old policy is the current one, so the first minibatch takes
-    # its old log-probs from its own training forward (detached: ratio exactly 1). Only the samples
-    # trained after a step need the separate no-grad pass, and so do guided samples, whose behaviour
+    # its old log-probs from its own training forward (detached, at the same temperature as the no-grad
+    # pass: ratio exactly 1) and keeps them for later epochs. Only the samples trained after a step need
+    # the separate no-grad pass, and so do guided samples, whose behaviour
     # prompt is not the one trained on.
     guided = [i for i in range(len(prompts)) if unguided_prompts is not None and unguided_prompts[i] != prompts[i]]
     stale = sorted(set(range(len(prompts))) - set(epochs[0][0].tolist()) | set(guided))
@@ -806,7 +834,7 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
     model.train()
     sums = defaultdict(float)
     grad_norms = []
-    real_tokens = padded_tokens = 0
+    skipped_steps = real_tokens = padded_tokens = 0
     t0 = time.perf_counter()
     for minibatches in epochs:
         for minibatch in minibatches:
@@ -820,7 +848,8 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
                 if micro is None:  # this rank has no more samples: a zero-weight pass keeps ranks in step
                     ids, attn, resp = collate([[pad_id]], [[pad_id]], pad_id)
                     with autocast():
-                        logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+                        logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device),
+                                                    args.logprob_chunk_tokens, args.temperature)
                     (logp.sum() * 0.0).backward()
                     continue
                 idx = [minibatch[k] for k in micro]
@@ -829,9 +858,11 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
                 padded_tokens += attn.numel()
                 adv = torch.cat([torch.full((len(responses[i]),), float(advantages[i])) for i in idx]).to(device)
                 with autocast():
-                    logp, entropy = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
-                own = logp.detach().split([len(responses[i]) for i in idx])
-                old = torch.cat([old_logps[i].to(device) if i in old_logps else mine for i, mine in zip(idx, own)])
+                    logp, entropy = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device),
+                                                      args.logprob_chunk_tokens, args.temperature)
+                for i, mine in zip(idx, logp.detach().split([len(responses[i]) for i in idx])):
+                    old_logps.setdefault(i, mine)  # first minibatch of the first epoch: pi_old, kept for later epochs
+                old = torch.cat([old_logps[i].to(device) for i in idx])
                 pg_loss, clipped = ppo_clip_loss(logp, old, adv, args.clip_eps, args.dual_clip)
                 loss = pg_loss - args.entropy_coef * entropy
                 if ref_logps is not None:
@@ -845,14 +876,19 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
                 sums["losses/approx_kl_old"] += (old - logp).sum().item()
                 sums["tokens"] += len(logp)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            if not math.isfinite(grad_norm):  # an inf/nan gradient would ruin weights and Adam moments (verl skips)
+                skipped_steps += 1
+                continue
+            grad_norms.append(grad_norm)
             optimizer.step()
     update_s = time.perf_counter() - t0
     keys = ["losses/policy_loss", "losses/entropy", "losses/clipfrac", "losses/approx_kl_old", "losses/kl", "tokens"]
     totals = dict(zip(keys, all_reduce([sums[k] for k in keys])))
     metrics = {k: totals[k] / max(totals["tokens"], 1) for k in keys[:-1]}
     real_tokens, padded_tokens = all_reduce([real_tokens, padded_tokens])
-    metrics["losses/grad_norm"] = float(np.mean(grad_norms))
+    metrics["losses/grad_norm"] = float(np.mean(grad_norms)) if grad_norms else float("nan")
+    metrics["losses/skipped_steps"] = float(skipped_steps)
     metrics["perf/logprob_s"] = logprob_s
     metrics["perf/update_s"] = update_s
     metrics["perf/train_tokens_per_s"] = real_tokens / max(update_s, 1e-9)
@@ -870,13 +906,20 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
 # ----------------------------------------------------------------------------------------------
 # Evaluation, logging, checkpoints
 # ----------------------------------------------------------------------------------------------
-def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: list[str], rank: int, world_size: int) -> dict:
-    """One episode per held-out task (split over ranks) at the eval temperature; the training RNG
-    is left untouched, so when and how often we evaluate never changes the training run."""
+def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: dict, rank: int, world_size: int) -> dict:
+    """One episode per held-out task of every eval split (split over ranks) at the eval temperature:
+    `eval/*` over all of them and, with several splits (ALFWorld's seen and unseen games), `eval/{split}/*`
+    for each. The training RNG is left untouched, so evaluating never changes the training run."""
+    tasks = [(split, task_id) for split, task_ids in eval_tasks.items() for task_id in task_ids]
+    mine = [(group, split, task_id) for group, (split, task_id) in enumerate(tasks) if group % world_size == rank]
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-        episodes = [Episode(task_id, group) for group, task_id in enumerate(eval_tasks) if group % world_size == rank]
+        episodes = [Episode(task_id, group) for group, _, task_id in mine]
         rollout(spec, runner, tokenizer, generate, args, episodes, args.eval_temperature, "eval")
-    return episode_metrics(all_gather_objects([episode_stats(e) for e in episodes]), args.success_reward, "eval")
+    stats = all_gather_objects([dict(episode_stats(e), split=split) for e, (_, split, _) in zip(episodes, mine)])
+    metrics = episode_metrics(stats, args.success_reward, "eval")
+    for split in eval_tasks if len(eval_tasks) > 1 else []:
+        metrics.update(episode_metrics([s for s in stats if s["split"] == split], args.success_reward, f"eval/{split}"))
+    return metrics
 
 
 def log_metrics(writer, run_dir: Path, metrics: dict, iteration: int) -> None:
@@ -971,10 +1014,11 @@ if __name__ == "__main__":
     args = resolve_args(args, spec)
     try:  # listed before any model is loaded, so missing env data fails fast with its install command
         train_tasks = spec.task_ids(spec.preset.train_split)
-        eval_pool = spec.task_ids(args.eval_split)
+        eval_pools = {split: spec.task_ids(split) for split in args.eval_split.split(",")}
+        print(spec.probe(train_tasks))  # one env started now: a broken env stops the run before the model loads
     except (ValueError, envs.EnvUnavailable) as e:
         fail(str(e))
-    if not train_tasks or not eval_pool:
+    if not train_tasks or not all(eval_pools.values()):
         fail(f"env {args.env} has no tasks in split {spec.preset.train_split!r} or {args.eval_split!r}")
     model_path = resolve_model(args.model)
     rank, world_size, device = init_distributed(args)
@@ -1049,7 +1093,10 @@ if __name__ == "__main__":
 
     # Tasks: training tasks sampled per iteration; a fixed held-out list for evaluation
     eval_rng = np.random.default_rng(args.seed + 1000)
-    eval_tasks = [eval_pool[k] for k in sorted(eval_rng.choice(len(eval_pool), min(args.num_eval_tasks, len(eval_pool)), replace=False))]
+    eval_tasks = {}  # split -> task ids
+    for split, pool in eval_pools.items():
+        chosen = eval_rng.choice(len(pool), min(args.num_eval_tasks, len(pool)), replace=False)
+        eval_tasks[split] = [pool[k] for k in sorted(chosen)]
     task_rng = np.random.default_rng(args.seed)
     my_groups = range(rank * args.num_tasks // world_size, (rank + 1) * args.num_tasks // world_size)
     method_state = {}
@@ -1083,27 +1130,28 @@ if __name__ == "__main__":
                     method_state[key] = method_state.get(key, 0.0) + more[f"actguide/{key}"]
                     guide_metrics[f"actguide/{key}_total"] = method_state[key]
             rollout_s = time.perf_counter() - iteration_start
+            if crashed := envs.most_crashed([e.crashed for e in episodes]):
+                fail(crashed)
 
-            # ALGO LOGIC: step scores and group-normalised advantages
-            turns, sample_groups, rewards, invalid = flatten_turns(episodes, args.success_reward)
-            scores = step_scores(rewards, invalid, args.invalid_penalty)
-            advantages = grpo_advantages(scores, sample_groups)
+            # ALGO LOGIC: the method, from the played episodes to the samples and advantages trained on
+            prompts, responses, advantages, unguided_prompts, algo_metrics = training_batch(episodes, args)
+            algo_metrics.update(guide_metrics)
 
-            # TRY NOT TO MODIFY: the update
+            # the update (ALGO LOGIC: update_policy trains each guided sample on its prompt without g_k)
             if llm is not None and args.vllm_sleep:
                 llm.sleep(level=1)
-            prompts = [t.prompt_ids for t in turns]
-            responses = [t.response_ids for t in turns]
-            unguided_prompts = [p for e in episodes for p in e.unguided_prompts]  # ALGO LOGIC: same order as flatten_turns
-            metrics = update_policy(model, ref_model, optimizer, prompts, responses, advantages, args, tokenizer.pad_token_id, autocast, update_generator, unguided_prompts)
+            metrics = update_policy(model, ref_model, optimizer, prompts, responses, advantages, args,
+                                    tokenizer.pad_token_id, autocast, update_generator, unguided_prompts)
             if llm is not None:
                 sync_vllm_weights(llm, model, args.vllm_sleep)
             elif plain_model is not model:
                 sync_generation_weights(plain_model, model)
 
+            # TRY NOT TO MODIFY: what the iteration achieved and cost
+            metrics.update(algo_metrics)
             metrics.update(episode_metrics(all_gather_objects([episode_stats(e) for e in episodes]), args.success_reward, "charts"))
-            metrics.update(guide_metrics)
-            totals = all_reduce([np.abs(advantages).sum(), len(turns), sum(map(len, prompts)), sum(map(len, responses)), timing["gen_tokens"]])
+            totals = all_reduce([np.abs(advantages).sum(), len(prompts), sum(map(len, prompts)),
+                                 sum(map(len, responses)), timing["gen_tokens"]])
             metrics.update({
                 "charts/advantage_abs_mean": totals[0] / max(totals[1], 1),
                 "perf/rollout_s": rollout_s,
@@ -1115,6 +1163,8 @@ if __name__ == "__main__":
                 "tokens/response": totals[3],
                 "tokens/samples": totals[1],
             })
+
+            # TRY NOT TO MODIFY: evaluation, logging, checkpoints
             if iteration % args.eval_every == 0 or iteration == args.total_iterations:
                 metrics.update(evaluate(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size))
             if is_main:

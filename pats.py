@@ -34,6 +34,11 @@ third party documents it (shared/reference/seed_code.md (d)). Where the paper is
   and the cards' text are ours; groups with a crashed env make no card.
 - interpretation: `--no-cards` keeps exemplar cards out of the context (bank entries stay);
   `--no-adapt` shows the whole bank and never removes redundant entries.
+- interpretation: the scaffold counts against --max-prompt-tokens: each turn's prompt is grpo.py's (history
+  as it fits), headed by as many scaffold lines as still fit, most concrete first; an entry cut by the
+  budget still counts as shown. So `--no-adapt`'s full bank is cut to the budget rather than pushing out
+  the template head and history, and the token comparison is made at equal budgets.
+- Cost: tokens/* and perf/iteration_s include the policy reviewer's prompts, answers and time.
 """
 
 import os
@@ -94,7 +99,7 @@ class Args:
     num_env_workers: int = 4
     """worker processes stepping the env instances in parallel"""
     eval_split: Optional[str] = None
-    """held-out split used for evaluation (default: the env's preset)"""
+    """held-out split(s) used for evaluation, comma-separated, each logged apart (default: the env's preset)"""
 
     # Rollout
     num_tasks: int = 16
@@ -115,7 +120,7 @@ class Args:
     """text every action turn's answer starts with (e.g. `<think>` for small models): part of the
     prompt, so never trained on, and put back in front of the response before the action is parsed"""
     temperature: float = 1.0
-    """sampling temperature of training rollouts"""
+    """sampling temperature of training rollouts; training log-probs divide the logits by it (as verl)"""
     top_p: float = 1.0
     """nucleus sampling of training rollouts"""
 
@@ -153,7 +158,7 @@ class Args:
     eval_every: int = 5
     """evaluate every N iterations (and before the first and after the last)"""
     num_eval_tasks: int = 128
-    """held-out tasks evaluated each time (the same list every time, chosen by seed)"""
+    """held-out tasks evaluated each time, per eval split (the same list every time, chosen by seed)"""
     eval_temperature: float = 0.4
     """sampling temperature of evaluation episodes"""
 
@@ -213,6 +218,8 @@ def resolve_args(args: Args, spec) -> Args:
         fail(f"--group-size must be at least 2 for a group baseline (got {args.group_size})")
     if args.num_tasks < 1 or args.max_steps < 1 or args.max_new_tokens < 1:
         fail("--num-tasks, --max-steps and --max-new-tokens must be positive")
+    if args.temperature <= 0:
+        fail(f"--temperature must be positive (training log-probs divide the logits by it), got {args.temperature}")
     return args
 
 
@@ -343,14 +350,29 @@ def encode_prompt(tokenizer, text: str, answer_prefix: str = "") -> list[int]:
 
 
 def build_prompt(spec, tokenizer, args: Args, episode, obs, history: list) -> list[int]:
-    """The turn's prompt, built afresh; over budget it drops history, then keeps the tail."""
+    """The turn's prompt, built afresh; over budget it drops history, then keeps the tail.
+    ALGO LOGIC: the group's frozen scaffold heads the prompt and counts against the budget (fit_scaffold)."""
     for shown in range(min(args.history_length, len(history)), -1, -1):
-        # ALGO LOGIC: the group's frozen scaffold heads the prompt (empty in evaluation)
-        text = episode.scaffold + spec.prompt(episode.task, obs.observation, obs.admissible, history[len(history) - shown :] if shown else [], len(history), shown)
+        text = spec.prompt(episode.task, obs.observation, obs.admissible, history[len(history) - shown :] if shown else [], len(history), shown)
         ids = encode_prompt(tokenizer, text, args.response_prefix)
         if len(ids) <= args.max_prompt_tokens:
-            return ids
+            return fit_scaffold(tokenizer, args, episode, text, ids)
+    episode.scaffold_fit.append((0, bool(episode.scaffold)))  # ALGO LOGIC: no room for any scaffold
     return ids[-args.max_prompt_tokens :]
+
+
+def fit_scaffold(tokenizer, args: Args, episode, text: str, ids: list[int]) -> list[int]:
+    """ALGO LOGIC: the prompt grpo.py would build (`text`, `ids`: its history as it fits) headed by as many
+    lines of the group's scaffold as still fit the budget, most concrete first: the scaffold never pushes
+    out the template head, history or observation. Records (scaffold tokens, lines dropped?) per turn."""
+    lines = episode.scaffold.splitlines(keepends=True)
+    for keep in range(len(lines), 1, -1):  # lines[0] is the header: it alone is no scaffold
+        scaffolded = encode_prompt(tokenizer, "".join(lines[:keep]) + text, args.response_prefix)
+        if len(scaffolded) <= args.max_prompt_tokens:
+            episode.scaffold_fit.append((len(scaffolded) - len(ids), keep < len(lines)))
+            return scaffolded
+    episode.scaffold_fit.append((0, bool(lines)))
+    return ids
 
 
 # ----------------------------------------------------------------------------------------------
@@ -467,6 +489,7 @@ class Episode:
     crashed: bool = False
     scaffold: str = ""  # ALGO LOGIC: the scaffold text of the episode's group ("" = none)
     shown: list = field(default_factory=list)  # ALGO LOGIC: ids of the bank entries in it
+    scaffold_fit: list = field(default_factory=list)  # ALGO LOGIC: per turn, (scaffold tokens, lines dropped?)
 
 
 def rollout(spec, runner, tokenizer, generate, args: Args, episodes: list, temperature: float, desc: str, scaffold=None):
@@ -570,6 +593,15 @@ def flatten_turns(episodes: list[Episode], success_reward: float):
             rewards.append(success_reward * float(e.won))
             invalid.append(not t.valid)
     return turns, np.array(groups), np.array(rewards, dtype=np.float64), np.array(invalid, dtype=bool)
+
+
+def training_batch(episodes: list[Episode], args: Args):
+    """One iteration's algorithm, from the played episodes to what update_policy receives: the prompt
+    and response ids of every step sample, its advantage A_{i,t}, and the method's own metrics."""
+    turns, sample_groups, rewards, invalid = flatten_turns(episodes, args.success_reward)
+    scores = step_scores(rewards, invalid, args.invalid_penalty)
+    advantages = grpo_advantages(scores, sample_groups)
+    return [t.prompt_ids for t in turns], [t.response_ids for t in turns], advantages, {}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -796,6 +828,15 @@ def select_scaffold(task_id: str, entries: list, exemplar: Optional[str], ema: f
     return (SCAFFOLD_HEADER + "\n".join(text for _, text in items) + "\n", [i for i, _ in items]) if items else ("", [])
 
 
+def iteration_cards(episodes: list, success_reward: float, iteration: int) -> list:
+    """The iteration's evidence cards of every rank, one per task group (a group with a crashed env makes none)."""
+    groups = defaultdict(list)
+    for e in episodes:
+        groups[e.group].append(e)
+    cards = [evidence_card(g, success_reward, iteration) for g in groups.values() if not any(e.crashed for e in g)]
+    return all_gather_objects(cards)
+
+
 def review_bank(pats: dict, cards: list, reviewer, args: Args, iteration: int) -> dict:
     """After an iteration, per task type with cards: drop entries the cards show redundant, update the
     competence EMA, pick the review mode, let the reviewer edit, validate, commit, prune when full;
@@ -860,16 +901,17 @@ def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
     return input_ids, attention_mask, response_mask
 
 
-def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor):
-    logits = lm_head(hidden).float()
+def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
+    logits = lm_head(hidden).float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
 
 
-def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tokens: int):
-    """log pi(y_k | x, y_<k) and entropy for every response token, flattened row by row.
+def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tokens: int, temperature: float = 1.0):
+    """log pi(y_k | x, y_<k) and entropy for every response token, flattened row by row, of the
+    distribution the rollout sampled from: softmax(logits / temperature), as verl computes them.
     Logits exist only for response positions, `chunk_tokens` rows at a time; with grad, each
     chunk is recomputed in backward instead of keeping full-vocabulary logits alive."""
     captured = []  # the final norm's output, i.e. what lm_head reads
@@ -886,9 +928,10 @@ def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tok
     for start in range(0, targets.shape[0], chunk_tokens):
         h, y = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         if torch.is_grad_enabled():
-            logp, entropy = torch.utils.checkpoint.checkpoint(_chunk_logprobs, model.lm_head, h, y, use_reentrant=False)
+            logp, entropy = torch.utils.checkpoint.checkpoint(_chunk_logprobs, model.lm_head, h, y, temperature,
+                                                              use_reentrant=False)
         else:
-            logp, entropy = _chunk_logprobs(model.lm_head, h, y)
+            logp, entropy = _chunk_logprobs(model.lm_head, h, y, temperature)
         logps.append(logp)
         entropies.append(entropy)
     return torch.cat(logps), torch.cat(entropies)
@@ -922,7 +965,8 @@ def recompute_logprobs(model, prompts, responses, args: Args, pad_id: int, autoc
         rows = batch or []  # None: a dummy pass of one padding token keeps FSDP ranks in step
         ids, attn, resp = collate([prompts[i] for i in rows] or [[pad_id]], [responses[i] for i in rows] or [[pad_id]], pad_id)
         with autocast():
-            logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+            logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device),
+                                        args.logprob_chunk_tokens, args.temperature)
         for i, part in zip(rows, logp.float().cpu().split([len(responses[i]) for i in rows])):
             out[i] = part
     return out
@@ -931,15 +975,18 @@ def recompute_logprobs(model, prompts, responses, args: Args, pad_id: int, autoc
 def update_policy(model, ref_model, optimizer, prompts, responses, advantages, args: Args, pad_id: int, autocast, generator):
     """Old (and reference) log-probs first, then `update_epochs` passes of minibatch PPO steps.
     Under torchrun each rank holds its own groups' samples; a minibatch is the union of one
-    slice from every rank and its loss is the token-mean over all of their response tokens."""
+    slice from every rank and its loss is the token-mean over all of their response tokens.
+    Every pass (old, reference, new) scores softmax(logits / temperature), the distribution the
+    rollout sampled from (verl); a step whose gradient norm is not finite is skipped and counted."""
     device = next(model.parameters()).device
     world_size = dist.get_world_size() if distributed() else 1
     num_minibatches = max(1, math.ceil(all_reduce([len(prompts)])[0] / args.minibatch_size))
     epochs = [np.array_split(torch.randperm(len(prompts), generator=generator).numpy(), num_minibatches)
               for _ in range(args.update_epochs)]
     # Until the first optimizer step the old policy is the current one, so the first minibatch takes
-    # its old log-probs from its own training forward (detached: ratio exactly 1). Only the samples
-    # trained after a step need the separate no-grad pass.
+    # its old log-probs from its own training forward (detached, at the same temperature as the no-grad
+    # pass: ratio exactly 1) and keeps them for later epochs. Only the samples trained after a step need
+    # the separate no-grad pass.
     stale = sorted(set(range(len(prompts))) - set(epochs[0][0].tolist()))
     t0 = time.perf_counter()
     old_logps = dict(zip(stale, recompute_logprobs(model, [prompts[i] for i in stale], [responses[i] for i in stale], args, pad_id, autocast)))
@@ -949,7 +996,7 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
     model.train()
     sums = defaultdict(float)
     grad_norms = []
-    real_tokens = padded_tokens = 0
+    skipped_steps = real_tokens = padded_tokens = 0
     t0 = time.perf_counter()
     for minibatches in epochs:
         for minibatch in minibatches:
@@ -963,7 +1010,8 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
                 if micro is None:  # this rank has no more samples: a zero-weight pass keeps ranks in step
                     ids, attn, resp = collate([[pad_id]], [[pad_id]], pad_id)
                     with autocast():
-                        logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+                        logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device),
+                                                    args.logprob_chunk_tokens, args.temperature)
                     (logp.sum() * 0.0).backward()
                     continue
                 idx = [minibatch[k] for k in micro]
@@ -972,9 +1020,11 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
                 padded_tokens += attn.numel()
                 adv = torch.cat([torch.full((len(responses[i]),), float(advantages[i])) for i in idx]).to(device)
                 with autocast():
-                    logp, entropy = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
-                own = logp.detach().split([len(responses[i]) for i in idx])
-                old = torch.cat([old_logps[i].to(device) if i in old_logps else mine for i, mine in zip(idx, own)])
+                    logp, entropy = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device),
+                                                      args.logprob_chunk_tokens, args.temperature)
+                for i, mine in zip(idx, logp.detach().split([len(responses[i]) for i in idx])):
+                    old_logps.setdefault(i, mine)  # first minibatch of the first epoch: pi_old, kept for later epochs
+                old = torch.cat([old_logps[i].to(device) for i in idx])
                 pg_loss, clipped = ppo_clip_loss(logp, old, adv, args.clip_eps, args.dual_clip)
                 loss = pg_loss - args.entropy_coef * entropy
                 if ref_logps is not None:
@@ -988,14 +1038,19 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
                 sums["losses/approx_kl_old"] += (old - logp).sum().item()
                 sums["tokens"] += len(logp)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            if not math.isfinite(grad_norm):  # an inf/nan gradient would ruin weights and Adam moments (verl skips)
+                skipped_steps += 1
+                continue
+            grad_norms.append(grad_norm)
             optimizer.step()
     update_s = time.perf_counter() - t0
     keys = ["losses/policy_loss", "losses/entropy", "losses/clipfrac", "losses/approx_kl_old", "losses/kl", "tokens"]
     totals = dict(zip(keys, all_reduce([sums[k] for k in keys])))
     metrics = {k: totals[k] / max(totals["tokens"], 1) for k in keys[:-1]}
     real_tokens, padded_tokens = all_reduce([real_tokens, padded_tokens])
-    metrics["losses/grad_norm"] = float(np.mean(grad_norms))
+    metrics["losses/grad_norm"] = float(np.mean(grad_norms)) if grad_norms else float("nan")
+    metrics["losses/skipped_steps"] = float(skipped_steps)
     metrics["perf/logprob_s"] = logprob_s
     metrics["perf/update_s"] = update_s
     metrics["perf/train_tokens_per_s"] = real_tokens / max(update_s, 1e-9)
@@ -1007,13 +1062,20 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
 # ----------------------------------------------------------------------------------------------
 # Evaluation, logging, checkpoints
 # ----------------------------------------------------------------------------------------------
-def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: list[str], rank: int, world_size: int) -> dict:
-    """One episode per held-out task (split over ranks) at the eval temperature; the training RNG
-    is left untouched, so when and how often we evaluate never changes the training run."""
+def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: dict, rank: int, world_size: int) -> dict:
+    """One episode per held-out task of every eval split (split over ranks) at the eval temperature:
+    `eval/*` over all of them and, with several splits (ALFWorld's seen and unseen games), `eval/{split}/*`
+    for each. The training RNG is left untouched, so evaluating never changes the training run."""
+    tasks = [(split, task_id) for split, task_ids in eval_tasks.items() for task_id in task_ids]
+    mine = [(group, split, task_id) for group, (split, task_id) in enumerate(tasks) if group % world_size == rank]
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-        episodes = [Episode(task_id, group) for group, task_id in enumerate(eval_tasks) if group % world_size == rank]
+        episodes = [Episode(task_id, group) for group, _, task_id in mine]
         rollout(spec, runner, tokenizer, generate, args, episodes, args.eval_temperature, "eval")
-    return episode_metrics(all_gather_objects([episode_stats(e) for e in episodes]), args.success_reward, "eval")
+    stats = all_gather_objects([dict(episode_stats(e), split=split) for e, (_, split, _) in zip(episodes, mine)])
+    metrics = episode_metrics(stats, args.success_reward, "eval")
+    for split in eval_tasks if len(eval_tasks) > 1 else []:
+        metrics.update(episode_metrics([s for s in stats if s["split"] == split], args.success_reward, f"eval/{split}"))
+    return metrics
 
 
 def log_metrics(writer, run_dir: Path, metrics: dict, iteration: int) -> None:
@@ -1108,10 +1170,11 @@ if __name__ == "__main__":
     args = resolve_args(args, spec)
     try:  # listed before any model is loaded, so missing env data fails fast with its install command
         train_tasks = spec.task_ids(spec.preset.train_split)
-        eval_pool = spec.task_ids(args.eval_split)
+        eval_pools = {split: spec.task_ids(split) for split in args.eval_split.split(",")}
+        print(spec.probe(train_tasks))  # one env started now: a broken env stops the run before the model loads
     except (ValueError, envs.EnvUnavailable) as e:
         fail(str(e))
-    if not train_tasks or not eval_pool:
+    if not train_tasks or not all(eval_pools.values()):
         fail(f"env {args.env} has no tasks in split {spec.preset.train_split!r} or {args.eval_split!r}")
     model_path = resolve_model(args.model)
     rank, world_size, device = init_distributed(args)
@@ -1186,7 +1249,10 @@ if __name__ == "__main__":
 
     # Tasks: training tasks sampled per iteration; a fixed held-out list for evaluation
     eval_rng = np.random.default_rng(args.seed + 1000)
-    eval_tasks = [eval_pool[k] for k in sorted(eval_rng.choice(len(eval_pool), min(args.num_eval_tasks, len(eval_pool)), replace=False))]
+    eval_tasks = {}  # split -> task ids
+    for split, pool in eval_pools.items():
+        chosen = eval_rng.choice(len(pool), min(args.num_eval_tasks, len(pool)), replace=False)
+        eval_tasks[split] = [pool[k] for k in sorted(chosen)]
     task_rng = np.random.default_rng(args.seed)
     my_groups = range(rank * args.num_tasks // world_size, (rank + 1) * args.num_tasks // world_size)
     method_state = {}
@@ -1205,6 +1271,8 @@ if __name__ == "__main__":
         return select_scaffold(e.task_id, pats["bank"].get(e.task_type, []), exemplar, pats["ema"].get(e.task_type, 0.0),
                                args.scaffold_max_items, args.scaffold_max_tokens, not args.no_adapt)
 
+    review_cost = defaultdict(int)  # the reviewer's generated and read tokens this iteration
+
     def reviewer(task_type, cards, entries, mode, budget):  # ALGO LOGIC: the rules, or the policy writing JSON-lines edits
         if args.reviewer == "rules":
             return rules_review(cards, entries, mode, budget), 0
@@ -1214,6 +1282,8 @@ if __name__ == "__main__":
             if len(ids) <= budget_tokens:
                 break
         out = generate([ids[-budget_tokens:]], args.eval_temperature, args.reviewer_max_new_tokens)
+        review_cost["prompt"] += len(ids[-budget_tokens:])
+        review_cost["response"] += len(out[0])
         return all_gather_objects([parse_edits(tokenizer.decode(out[0], skip_special_tokens=True))])[0]  # rank 0's edits
 
     runner = envs.EnvRunner(spec, args.num_env_workers)
@@ -1229,25 +1299,34 @@ if __name__ == "__main__":
             episodes = [Episode(train_tasks[tasks[group]], group) for group in my_groups for _ in range(args.group_size)]
             timing = rollout(spec, runner, tokenizer, generate, args, episodes, args.temperature, "rollout", scaffold)
             rollout_s = time.perf_counter() - iteration_start
+            if crashed := envs.most_crashed([e.crashed for e in episodes]):
+                fail(crashed)
 
-            # ALGO LOGIC: step scores and group-normalised advantages
-            turns, sample_groups, rewards, invalid = flatten_turns(episodes, args.success_reward)
-            scores = step_scores(rewards, invalid, args.invalid_penalty)
-            advantages = grpo_advantages(scores, sample_groups)
+            # ALGO LOGIC: the method, from the played episodes to the samples and advantages trained on
+            prompts, responses, advantages, algo_metrics = training_batch(episodes, args)
 
             # TRY NOT TO MODIFY: the update
             if llm is not None and args.vllm_sleep:
                 llm.sleep(level=1)
-            prompts = [t.prompt_ids for t in turns]
-            responses = [t.response_ids for t in turns]
             metrics = update_policy(model, ref_model, optimizer, prompts, responses, advantages, args, tokenizer.pad_token_id, autocast, update_generator)
             if llm is not None:
                 sync_vllm_weights(llm, model, args.vllm_sleep)
             elif plain_model is not model:
                 sync_generation_weights(plain_model, model)
 
+            # ALGO LOGIC: the iteration's groups become evidence cards, each task type's bank is reviewed; the review's
+            # generation is part of the iteration's cost (perf/iteration_s here, tokens/* below)
+            review_cost.clear()
+            review_start = time.perf_counter()
+            cards = iteration_cards(episodes, args.success_reward, iteration)
+            algo_metrics.update(review_bank(pats, cards, reviewer, args, iteration))
+            algo_metrics["pats/review_s"] = time.perf_counter() - review_start
+
+            # TRY NOT TO MODIFY: what the iteration achieved and cost
+            metrics.update(algo_metrics)
             metrics.update(episode_metrics(all_gather_objects([episode_stats(e) for e in episodes]), args.success_reward, "charts"))
-            totals = all_reduce([np.abs(advantages).sum(), len(turns), sum(map(len, prompts)), sum(map(len, responses)), timing["gen_tokens"]])
+            totals = all_reduce([np.abs(advantages).sum(), len(prompts), sum(map(len, prompts)),
+                                 sum(map(len, responses)), timing["gen_tokens"]])
             metrics.update({
                 "charts/advantage_abs_mean": totals[0] / max(totals[1], 1),
                 "perf/rollout_s": rollout_s,
@@ -1259,16 +1338,21 @@ if __name__ == "__main__":
                 "tokens/response": totals[3],
                 "tokens/samples": totals[1],
             })
-            # ALGO LOGIC: this iteration's groups become evidence cards; each task type's bank is reviewed
-            scaffold_tokens = {e.scaffold: len(tokenizer(e.scaffold, add_special_tokens=False)["input_ids"]) for e in episodes}
-            sums = all_reduce([sum(scaffold_tokens[e.scaffold] * len(e.turns) for e in episodes), sum(len(e.shown) for e in episodes), len(episodes)])
+
+            # ALGO LOGIC: the reviewer's tokens; the scaffold in the training prompts
+            metrics["tokens/prompt"] += review_cost["prompt"]  # every rank reviews alike: counted once
+            metrics["tokens/response"] += review_cost["response"]
+            metrics["pats/reviewer_prompt_tokens"] = review_cost["prompt"]
+            metrics["pats/reviewer_response_tokens"] = review_cost["response"]
+            fits = [fit for e in episodes for fit in e.scaffold_fit]
+            scaffolded = sum(len(e.turns) for e in episodes if e.scaffold)
+            sums = all_reduce([sum(n for n, _ in fits), sum(trimmed for _, trimmed in fits), scaffolded,
+                               sum(len(e.shown) for e in episodes), len(episodes)])
             metrics["pats/scaffold_tokens"] = sums[0] / max(totals[1], 1)  # per prompt (step sample)
-            metrics["pats/scaffold_items"] = sums[1] / max(sums[2], 1)
-            groups = defaultdict(list)
-            for e in episodes:
-                groups[e.group].append(e)
-            cards = all_gather_objects([evidence_card(g, args.success_reward, iteration) for g in groups.values() if not any(e.crashed for e in g)])
-            metrics.update(review_bank(pats, cards, reviewer, args, iteration))
+            metrics["pats/scaffold_trimmed_frac"] = sums[1] / max(sums[2], 1)  # of the prompts given a scaffold
+            metrics["pats/scaffold_items"] = sums[3] / max(sums[4], 1)
+
+            # TRY NOT TO MODIFY: evaluation, logging, checkpoints
             if iteration % args.eval_every == 0 or iteration == args.total_iterations:
                 metrics.update(evaluate(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size))
             if is_main:

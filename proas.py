@@ -37,6 +37,13 @@ Where the paper is silent, our choices (interpretation):
   a step whose output was malformed is never reasonable;
 - interpretation: T of APR = the trajectory's non-advancing steps (PA_t = 0) (`--apr-set all`: every
   step); eps = 1e-6; advancing steps of a negative trajectory keep A;
+- interpretation: Eq. 7's sign condition is taken per step sample (the sign of A_{i,t}), where the paper
+  writes the trajectory's A_i; they differ when the invalid penalty moves a step's score across its
+  group's mean;
+- interpretation: `--shaping msk` (the paper names the naive-mask ablation without its rule) keeps MUI for
+  A > 0, and for A < 0 the plain A on non-advancing steps and 0 on advancing ones;
+- evaluation runs every `--eval-every` 5 iterations (the repo's default); the paper evaluates every 10
+  (`--eval-every 10`);
 - interpretation: the graph of a task is built the first time the task is sampled, by replaying its
   reference actions; a replay that does not win leaves the task without a graph (unshaped);
   growth adds the purified transitions of won rollouts (strict union), after the iteration's labels;
@@ -102,7 +109,7 @@ class Args:
     num_env_workers: int = 4
     """worker processes stepping the env instances in parallel"""
     eval_split: Optional[str] = None
-    """held-out split used for evaluation (default: the env's preset)"""
+    """held-out split(s) used for evaluation, comma-separated, each logged apart (default: the env's preset)"""
 
     # Rollout
     num_tasks: int = 16
@@ -123,7 +130,7 @@ class Args:
     """text every action turn's answer starts with (e.g. `<think>` for small models): part of the
     prompt, so never trained on, and put back in front of the response before the action is parsed"""
     temperature: float = 1.0
-    """sampling temperature of training rollouts"""
+    """sampling temperature of training rollouts; training log-probs divide the logits by it (as verl)"""
     top_p: float = 1.0
     """nucleus sampling of training rollouts"""
 
@@ -161,7 +168,7 @@ class Args:
     eval_every: int = 5
     """evaluate every N iterations (and before the first and after the last)"""
     num_eval_tasks: int = 128
-    """held-out tasks evaluated each time (the same list every time, chosen by seed)"""
+    """held-out tasks evaluated each time, per eval split (the same list every time, chosen by seed)"""
     eval_temperature: float = 0.4
     """sampling temperature of evaluation episodes"""
 
@@ -225,6 +232,8 @@ def resolve_args(args: Args, spec) -> Args:
         fail(f"--group-size must be at least 2 for a group baseline (got {args.group_size})")
     if args.num_tasks < 1 or args.max_steps < 1 or args.max_new_tokens < 1:
         fail("--num-tasks, --max-steps and --max-new-tokens must be positive")
+    if args.temperature <= 0:
+        fail(f"--temperature must be positive (training log-probs divide the logits by it), got {args.temperature}")
     return args
 
 
@@ -625,7 +634,8 @@ def future_drift(pa: np.ndarray) -> np.ndarray:
 
 
 def proas_shape(adv, re, pa, shaping: str = "proas", apr_set: str = "nonadvancing", eps: float = 1e-6):
-    """Eq. 7 on the advantages A_{i,t} of one trajectory's steps (the sign of each decides):
+    """Eq. 7 on the advantages A_{i,t} of one trajectory's steps (interpretation: the sign of each step's
+    A_{i,t} decides, not the trajectory's A_i; the msk rule is ours):
     A > 0: A~ = Re_t * A (MUI);  A < 0, t in T: A~ = D_{i,t} / (mean_{t in T} D_{i,t} + eps) * A (APR);
     else A~ = A. T = non-advancing steps (PA_t = 0) or all. Ablations: no-mui, no-apr, msk (A<0: 0 on
     advancing steps), suffix (D_{i,t} -> |tau_i| - t + 1). Returns (A~, APR weight or nan per step)."""
@@ -649,18 +659,22 @@ def proas_shape(adv, re, pa, shaping: str = "proas", apr_set: str = "nonadvancin
     return shaped, weights
 
 
-def proas_advantages(scores, groups, lengths: list[int], labels: list, shaping: str, apr_set: str, eps: float, progress_coef: float):
-    """Per step sample: the baseline GRPO advantage (of s_{i,t} + c * PA_t for `pr`), then Eq. 7 per
-    trajectory. `lengths[i]` and `labels[i]` (Re, PA arrays, or None for a task without a graph: its
-    steps stay unshaped) are per episode, in flatten_turns order. Returns (A, A~, APR weights)."""
-    pa_all = np.concatenate([np.zeros(n) if lab is None else lab[1] for n, lab in zip(lengths, labels)] + [np.zeros(0)])
-    advantages = grpo_advantages(scores + progress_coef * pa_all if shaping == "pr" else scores, groups)
-    shaped, weights, start = advantages.copy(), np.full(len(advantages), np.nan), 0
+def progress_per_step(lengths: list[int], labels: list) -> np.ndarray:
+    """PA_t of every step sample in flatten_turns order (0 on the steps of a task without a graph)."""
+    return np.concatenate([np.zeros(n) if lab is None else lab[1] for n, lab in zip(lengths, labels)] + [np.zeros(0)])
+
+
+def proas_advantages(advantages, lengths: list[int], labels: list, shaping: str, apr_set: str, eps: float):
+    """Eq. 7 per trajectory on the base method's advantages A_{i,t} (one per step sample, in flatten_turns
+    order). `lengths[i]` and `labels[i]` (Re, PA arrays, or None for a task without a graph: its steps stay
+    unshaped) are per episode. Returns (A~, APR weight or nan per step sample)."""
+    shaped, weights, start = np.array(advantages, dtype=np.float64), np.full(len(advantages), np.nan), 0
     for n, lab in zip(lengths, labels):
         if lab is not None:
-            shaped[start : start + n], weights[start : start + n] = proas_shape(advantages[start : start + n], *lab, shaping, apr_set, eps)
+            piece = slice(start, start + n)
+            shaped[piece], weights[piece] = proas_shape(advantages[piece], *lab, shaping, apr_set, eps)
         start += n
-    return advantages, shaped, weights
+    return shaped, weights
 
 
 def replay_reference(spec, runner, task_ids: list[str], edge_drop: float = 0.0, seed: int = 0) -> dict:
@@ -706,11 +720,16 @@ def label_then_grow(spec, graphs: dict, episodes: list, edge_match: str, grow: b
 
 def permute_labels(labels: list, rng: np.random.Generator) -> list:
     """Table 2b random labels: the (Re_t, PA_t) pairs of all labelled steps, shuffled across the batch."""
-    pairs = np.concatenate([np.stack(lab, 1) for lab in labels if lab is not None] + [np.zeros((0, 2))])[rng.permutation(sum(len(lab[0]) for lab in labels if lab is not None))]
+    pairs = np.concatenate([np.stack(lab, 1) for lab in labels if lab is not None] + [np.zeros((0, 2))])
+    pairs = pairs[rng.permutation(len(pairs))]
     out, start = [], 0
     for lab in labels:
-        out.append(None if lab is None else (pairs[start : start + len(lab[0]), 0], pairs[start : start + len(lab[0]), 1]))
-        start += 0 if lab is None else len(lab[0])
+        if lab is None:
+            out.append(None)
+            continue
+        n = len(lab[0])
+        out.append((pairs[start : start + n, 0], pairs[start : start + n, 1]))
+        start += n
     return out
 
 
@@ -745,6 +764,37 @@ def proas_metrics(won: list, task_ids: list, labels: list, advantages, shaped, w
     return m
 
 
+def training_batch(spec, runner, episodes: list[Episode], graphs: dict, args: Args, iteration: int):
+    """One iteration's algorithm, from the played episodes to what update_policy receives: the prompt
+    and response ids of every step sample, its advantage A_{i,t}, and the method's own metrics.
+    ALGO LOGIC: ProAS. A task seen for the first time gets G^(0) by replaying its reference actions;
+    labels (Re, PA) of iteration k come from G^(k), only then G^(k+1) is grown; the base method's A_{i,t}
+    (grpo.py's) is shaped by Eq. 7 per trajectory (`--shaping pr`: c * PA_t joins the step score instead)."""
+    start = time.perf_counter()
+    new_tasks = [t for t in dict.fromkeys(e.task_id for e in episodes) if t not in graphs]
+    graphs.update(replay_reference(spec, runner, new_tasks, args.arg_edge_drop, args.seed) if new_tasks else {})
+    labels, edges_added = label_then_grow(spec, graphs, episodes, args.edge_match, grow=not args.static_arg)
+    if distributed():  # every rank keeps every task's graph (rank 0 saves them)
+        graphs.update(dict(all_gather_objects([(t, graphs[t]) for t in dict.fromkeys(e.task_id for e in episodes)])))
+    if args.arg_random_labels:  # a stream per (seed, iteration, rank)
+        rank = dist.get_rank() if distributed() else 0
+        labels = permute_labels(labels, np.random.default_rng([args.seed, iteration, rank]))
+    turns, sample_groups, rewards, invalid = flatten_turns(episodes, args.success_reward)
+    scores = step_scores(rewards, invalid, args.invalid_penalty)
+    lengths = [len(e.turns) for e in episodes]
+    if args.shaping == "pr":
+        scores = scores + args.progress_reward_coef * progress_per_step(lengths, labels)
+    baseline = grpo_advantages(scores, sample_groups)
+    advantages, apr_weights = proas_advantages(baseline, lengths, labels, args.shaping, args.apr_set, args.apr_eps)
+    # the labels and both advantages of every rank
+    won, task_ids, all_labels = zip(*all_gather_objects([(e.won, e.task_id, lab) for e, lab in zip(episodes, labels)]))
+    gathered = (np.array(all_gather_objects(list(x)), dtype=np.float64) for x in (baseline, advantages, apr_weights))
+    metrics = proas_metrics(won, task_ids, all_labels, *gathered, graphs)
+    metrics["proas/graph_edges_added"] = all_reduce([edges_added])[0]
+    metrics["perf/proas_s"] = time.perf_counter() - start
+    return [t.prompt_ids for t in turns], [t.response_ids for t in turns], advantages, metrics
+
+
 # ----------------------------------------------------------------------------------------------
 # Update: PPO-clip with dual clip, k3 KL, entropy bonus; token-mean over each minibatch
 # ----------------------------------------------------------------------------------------------
@@ -775,16 +825,17 @@ def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
     return input_ids, attention_mask, response_mask
 
 
-def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor):
-    logits = lm_head(hidden).float()
+def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
+    logits = lm_head(hidden).float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
 
 
-def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tokens: int):
-    """log pi(y_k | x, y_<k) and entropy for every response token, flattened row by row.
+def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tokens: int, temperature: float = 1.0):
+    """log pi(y_k | x, y_<k) and entropy for every response token, flattened row by row, of the
+    distribution the rollout sampled from: softmax(logits / temperature), as verl computes them.
     Logits exist only for response positions, `chunk_tokens` rows at a time; with grad, each
     chunk is recomputed in backward instead of keeping full-vocabulary logits alive."""
     captured = []  # the final norm's output, i.e. what lm_head reads
@@ -801,9 +852,10 @@ def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tok
     for start in range(0, targets.shape[0], chunk_tokens):
         h, y = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         if torch.is_grad_enabled():
-            logp, entropy = torch.utils.checkpoint.checkpoint(_chunk_logprobs, model.lm_head, h, y, use_reentrant=False)
+            logp, entropy = torch.utils.checkpoint.checkpoint(_chunk_logprobs, model.lm_head, h, y, temperature,
+                                                              use_reentrant=False)
         else:
-            logp, entropy = _chunk_logprobs(model.lm_head, h, y)
+            logp, entropy = _chunk_logprobs(model.lm_head, h, y, temperature)
         logps.append(logp)
         entropies.append(entropy)
     return torch.cat(logps), torch.cat(entropies)
@@ -837,7 +889,8 @@ def recompute_logprobs(model, prompts, responses, args: Args, pad_id: int, autoc
         rows = batch or []  # None: a dummy pass of one padding token keeps FSDP ranks in step
         ids, attn, resp = collate([prompts[i] for i in rows] or [[pad_id]], [responses[i] for i in rows] or [[pad_id]], pad_id)
         with autocast():
-            logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+            logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device),
+                                        args.logprob_chunk_tokens, args.temperature)
         for i, part in zip(rows, logp.float().cpu().split([len(responses[i]) for i in rows])):
             out[i] = part
     return out
@@ -846,15 +899,18 @@ def recompute_logprobs(model, prompts, responses, args: Args, pad_id: int, autoc
 def update_policy(model, ref_model, optimizer, prompts, responses, advantages, args: Args, pad_id: int, autocast, generator):
     """Old (and reference) log-probs first, then `update_epochs` passes of minibatch PPO steps.
     Under torchrun each rank holds its own groups' samples; a minibatch is the union of one
-    slice from every rank and its loss is the token-mean over all of their response tokens."""
+    slice from every rank and its loss is the token-mean over all of their response tokens.
+    Every pass (old, reference, new) scores softmax(logits / temperature), the distribution the
+    rollout sampled from (verl); a step whose gradient norm is not finite is skipped and counted."""
     device = next(model.parameters()).device
     world_size = dist.get_world_size() if distributed() else 1
     num_minibatches = max(1, math.ceil(all_reduce([len(prompts)])[0] / args.minibatch_size))
     epochs = [np.array_split(torch.randperm(len(prompts), generator=generator).numpy(), num_minibatches)
               for _ in range(args.update_epochs)]
     # Until the first optimizer step the old policy is the current one, so the first minibatch takes
-    # its old log-probs from its own training forward (detached: ratio exactly 1). Only the samples
-    # trained after a step need the separate no-grad pass.
+    # its old log-probs from its own training forward (detached, at the same temperature as the no-grad
+    # pass: ratio exactly 1) and keeps them for later epochs. Only the samples trained after a step need
+    # the separate no-grad pass.
     stale = sorted(set(range(len(prompts))) - set(epochs[0][0].tolist()))
     t0 = time.perf_counter()
     old_logps = dict(zip(stale, recompute_logprobs(model, [prompts[i] for i in stale], [responses[i] for i in stale], args, pad_id, autocast)))
@@ -864,7 +920,7 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
     model.train()
     sums = defaultdict(float)
     grad_norms = []
-    real_tokens = padded_tokens = 0
+    skipped_steps = real_tokens = padded_tokens = 0
     t0 = time.perf_counter()
     for minibatches in epochs:
         for minibatch in minibatches:
@@ -878,7 +934,8 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
                 if micro is None:  # this rank has no more samples: a zero-weight pass keeps ranks in step
                     ids, attn, resp = collate([[pad_id]], [[pad_id]], pad_id)
                     with autocast():
-                        logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+                        logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device),
+                                                    args.logprob_chunk_tokens, args.temperature)
                     (logp.sum() * 0.0).backward()
                     continue
                 idx = [minibatch[k] for k in micro]
@@ -887,9 +944,11 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
                 padded_tokens += attn.numel()
                 adv = torch.cat([torch.full((len(responses[i]),), float(advantages[i])) for i in idx]).to(device)
                 with autocast():
-                    logp, entropy = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
-                own = logp.detach().split([len(responses[i]) for i in idx])
-                old = torch.cat([old_logps[i].to(device) if i in old_logps else mine for i, mine in zip(idx, own)])
+                    logp, entropy = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device),
+                                                      args.logprob_chunk_tokens, args.temperature)
+                for i, mine in zip(idx, logp.detach().split([len(responses[i]) for i in idx])):
+                    old_logps.setdefault(i, mine)  # first minibatch of the first epoch: pi_old, kept for later epochs
+                old = torch.cat([old_logps[i].to(device) for i in idx])
                 pg_loss, clipped = ppo_clip_loss(logp, old, adv, args.clip_eps, args.dual_clip)
                 loss = pg_loss - args.entropy_coef * entropy
                 if ref_logps is not None:
@@ -903,14 +962,19 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
                 sums["losses/approx_kl_old"] += (old - logp).sum().item()
                 sums["tokens"] += len(logp)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            if not math.isfinite(grad_norm):  # an inf/nan gradient would ruin weights and Adam moments (verl skips)
+                skipped_steps += 1
+                continue
+            grad_norms.append(grad_norm)
             optimizer.step()
     update_s = time.perf_counter() - t0
     keys = ["losses/policy_loss", "losses/entropy", "losses/clipfrac", "losses/approx_kl_old", "losses/kl", "tokens"]
     totals = dict(zip(keys, all_reduce([sums[k] for k in keys])))
     metrics = {k: totals[k] / max(totals["tokens"], 1) for k in keys[:-1]}
     real_tokens, padded_tokens = all_reduce([real_tokens, padded_tokens])
-    metrics["losses/grad_norm"] = float(np.mean(grad_norms))
+    metrics["losses/grad_norm"] = float(np.mean(grad_norms)) if grad_norms else float("nan")
+    metrics["losses/skipped_steps"] = float(skipped_steps)
     metrics["perf/logprob_s"] = logprob_s
     metrics["perf/update_s"] = update_s
     metrics["perf/train_tokens_per_s"] = real_tokens / max(update_s, 1e-9)
@@ -922,13 +986,20 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
 # ----------------------------------------------------------------------------------------------
 # Evaluation, logging, checkpoints
 # ----------------------------------------------------------------------------------------------
-def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: list[str], rank: int, world_size: int) -> dict:
-    """One episode per held-out task (split over ranks) at the eval temperature; the training RNG
-    is left untouched, so when and how often we evaluate never changes the training run."""
+def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: dict, rank: int, world_size: int) -> dict:
+    """One episode per held-out task of every eval split (split over ranks) at the eval temperature:
+    `eval/*` over all of them and, with several splits (ALFWorld's seen and unseen games), `eval/{split}/*`
+    for each. The training RNG is left untouched, so evaluating never changes the training run."""
+    tasks = [(split, task_id) for split, task_ids in eval_tasks.items() for task_id in task_ids]
+    mine = [(group, split, task_id) for group, (split, task_id) in enumerate(tasks) if group % world_size == rank]
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-        episodes = [Episode(task_id, group) for group, task_id in enumerate(eval_tasks) if group % world_size == rank]
+        episodes = [Episode(task_id, group) for group, _, task_id in mine]
         rollout(spec, runner, tokenizer, generate, args, episodes, args.eval_temperature, "eval")
-    return episode_metrics(all_gather_objects([episode_stats(e) for e in episodes]), args.success_reward, "eval")
+    stats = all_gather_objects([dict(episode_stats(e), split=split) for e, (_, split, _) in zip(episodes, mine)])
+    metrics = episode_metrics(stats, args.success_reward, "eval")
+    for split in eval_tasks if len(eval_tasks) > 1 else []:
+        metrics.update(episode_metrics([s for s in stats if s["split"] == split], args.success_reward, f"eval/{split}"))
+    return metrics
 
 
 def log_metrics(writer, run_dir: Path, metrics: dict, iteration: int) -> None:
@@ -1023,10 +1094,11 @@ if __name__ == "__main__":
     args = resolve_args(args, spec)
     try:  # listed before any model is loaded, so missing env data fails fast with its install command
         train_tasks = spec.task_ids(spec.preset.train_split)
-        eval_pool = spec.task_ids(args.eval_split)
+        eval_pools = {split: spec.task_ids(split) for split in args.eval_split.split(",")}
+        print(spec.probe(train_tasks))  # one env started now: a broken env stops the run before the model loads
     except (ValueError, envs.EnvUnavailable) as e:
         fail(str(e))
-    if not train_tasks or not eval_pool:
+    if not train_tasks or not all(eval_pools.values()):
         fail(f"env {args.env} has no tasks in split {spec.preset.train_split!r} or {args.eval_split!r}")
     model_path = resolve_model(args.model)
     rank, world_size, device = init_distributed(args)
@@ -1101,7 +1173,10 @@ if __name__ == "__main__":
 
     # Tasks: training tasks sampled per iteration; a fixed held-out list for evaluation
     eval_rng = np.random.default_rng(args.seed + 1000)
-    eval_tasks = [eval_pool[k] for k in sorted(eval_rng.choice(len(eval_pool), min(args.num_eval_tasks, len(eval_pool)), replace=False))]
+    eval_tasks = {}  # split -> task ids
+    for split, pool in eval_pools.items():
+        chosen = eval_rng.choice(len(pool), min(args.num_eval_tasks, len(pool)), replace=False)
+        eval_tasks[split] = [pool[k] for k in sorted(chosen)]
     task_rng = np.random.default_rng(args.seed)
     my_groups = range(rank * args.num_tasks // world_size, (rank + 1) * args.num_tasks // world_size)
     method_state = {}
@@ -1128,41 +1203,26 @@ if __name__ == "__main__":
             episodes = [Episode(train_tasks[tasks[group]], group) for group in my_groups for _ in range(args.group_size)]
             timing = rollout(spec, runner, tokenizer, generate, args, episodes, args.temperature, "rollout")
             rollout_s = time.perf_counter() - iteration_start
+            if crashed := envs.most_crashed([e.crashed for e in episodes]):
+                fail(crashed)
 
-            # ALGO LOGIC: step scores and group-normalised advantages
-            turns, sample_groups, rewards, invalid = flatten_turns(episodes, args.success_reward)
-            scores = step_scores(rewards, invalid, args.invalid_penalty)
-            # ALGO LOGIC: labels from G^(k), then growth (a task seen for the first time gets its graph from its reference actions)
-            graph_start = time.perf_counter()
-            new_tasks = [t for t in dict.fromkeys(e.task_id for e in episodes) if t not in graphs]
-            graphs.update(replay_reference(spec, runner, new_tasks, args.arg_edge_drop, args.seed) if new_tasks else {})
-            labels, edges_added = label_then_grow(spec, graphs, episodes, args.edge_match, grow=not args.static_arg)
-            if distributed():  # every rank keeps every task's graph (rank 0 saves them)
-                graphs.update(dict(all_gather_objects([(t, graphs[t]) for t in dict.fromkeys(e.task_id for e in episodes)])))
-            if args.arg_random_labels:
-                labels = permute_labels(labels, np.random.default_rng([args.seed, iteration, rank]))
-            baseline_advantages, advantages, apr_weights = proas_advantages(scores, sample_groups, [len(e.turns) for e in episodes], labels,
-                                                                            args.shaping, args.apr_set, args.apr_eps, args.progress_reward_coef)
-            won, task_ids, all_labels = zip(*all_gather_objects([(e.won, e.task_id, lab) for e, lab in zip(episodes, labels)]))
-            proas_stats = proas_metrics(won, task_ids, all_labels, *(np.array(all_gather_objects(list(x)), dtype=np.float64)
-                                                                     for x in (baseline_advantages, advantages, apr_weights)), graphs)
-            proas_stats["proas/graph_edges_added"] = all_reduce([edges_added])[0]
-            proas_stats["perf/proas_s"] = time.perf_counter() - graph_start
+            # ALGO LOGIC: the method, from the played episodes to the samples and advantages trained on
+            prompts, responses, advantages, algo_metrics = training_batch(spec, runner, episodes, graphs, args, iteration)
 
             # TRY NOT TO MODIFY: the update
             if llm is not None and args.vllm_sleep:
                 llm.sleep(level=1)
-            prompts = [t.prompt_ids for t in turns]
-            responses = [t.response_ids for t in turns]
             metrics = update_policy(model, ref_model, optimizer, prompts, responses, advantages, args, tokenizer.pad_token_id, autocast, update_generator)
             if llm is not None:
                 sync_vllm_weights(llm, model, args.vllm_sleep)
             elif plain_model is not model:
                 sync_generation_weights(plain_model, model)
 
+            # TRY NOT TO MODIFY: what the iteration achieved and cost
+            metrics.update(algo_metrics)
             metrics.update(episode_metrics(all_gather_objects([episode_stats(e) for e in episodes]), args.success_reward, "charts"))
-            totals = all_reduce([np.abs(advantages).sum(), len(turns), sum(map(len, prompts)), sum(map(len, responses)), timing["gen_tokens"]])
-            metrics.update(proas_stats)  # ALGO LOGIC
+            totals = all_reduce([np.abs(advantages).sum(), len(prompts), sum(map(len, prompts)),
+                                 sum(map(len, responses)), timing["gen_tokens"]])
             metrics.update({
                 "charts/advantage_abs_mean": totals[0] / max(totals[1], 1),
                 "perf/rollout_s": rollout_s,
@@ -1174,6 +1234,8 @@ if __name__ == "__main__":
                 "tokens/response": totals[3],
                 "tokens/samples": totals[1],
             })
+
+            # TRY NOT TO MODIFY: evaluation, logging, checkpoints
             if iteration % args.eval_every == 0 or iteration == args.total_iterations:
                 metrics.update(evaluate(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size))
             if is_main:

@@ -89,7 +89,7 @@ class Args:
     num_env_workers: int = 4
     """worker processes stepping the env instances in parallel"""
     eval_split: Optional[str] = None
-    """held-out split used for evaluation (default: the env's preset)"""
+    """held-out split(s) used for evaluation, comma-separated, each logged apart (default: the env's preset)"""
 
     # Demonstrations
     num_tasks: Optional[int] = None
@@ -144,7 +144,7 @@ class Args:
     eval_every: int = 1
     """evaluate every N epochs (and before the first and after the last)"""
     num_eval_tasks: int = 128
-    """held-out tasks evaluated each time (the same list every time, chosen by seed)"""
+    """held-out tasks evaluated each time, per eval split (the same list every time, chosen by seed)"""
     eval_temperature: float = 0.4
     """sampling temperature of evaluation episodes (as in the RL files); also evaluated at --temperature"""
 
@@ -539,16 +539,17 @@ def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
     return input_ids, attention_mask, response_mask
 
 
-def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor):
-    logits = lm_head(hidden).float()
+def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
+    logits = lm_head(hidden).float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
 
 
-def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tokens: int):
-    """log pi(y_k | x, y_<k) and entropy for every response token, flattened row by row.
+def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tokens: int, temperature: float = 1.0):
+    """log pi(y_k | x, y_<k) and entropy for every response token, flattened row by row, of the
+    distribution the rollout sampled from: softmax(logits / temperature), as verl computes them.
     Logits exist only for response positions, `chunk_tokens` rows at a time; with grad, each
     chunk is recomputed in backward instead of keeping full-vocabulary logits alive."""
     captured = []  # the final norm's output, i.e. what lm_head reads
@@ -565,9 +566,10 @@ def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tok
     for start in range(0, targets.shape[0], chunk_tokens):
         h, y = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         if torch.is_grad_enabled():
-            logp, entropy = torch.utils.checkpoint.checkpoint(_chunk_logprobs, model.lm_head, h, y, use_reentrant=False)
+            logp, entropy = torch.utils.checkpoint.checkpoint(_chunk_logprobs, model.lm_head, h, y, temperature,
+                                                              use_reentrant=False)
         else:
-            logp, entropy = _chunk_logprobs(model.lm_head, h, y)
+            logp, entropy = _chunk_logprobs(model.lm_head, h, y, temperature)
         logps.append(logp)
         entropies.append(entropy)
     return torch.cat(logps), torch.cat(entropies)
@@ -619,8 +621,9 @@ def demonstrations(spec, runner, tokenizer, args: Args, task_ids: list[str]) -> 
             obs[i] = result
         active = [i for i in active if not obs[i].done]
     won = [bool(plans[i]) and obs[i].won for i in range(len(task_ids))]
+    crashed = [bool(plans[i]) and obs[i].crashed for i in range(len(task_ids))]
     samples = [sample for i in range(len(task_ids)) if won[i] for sample in steps[i]]
-    return samples, {**counts, "demos/won": sum(won), "demos/samples": len(samples)}
+    return samples, {**counts, "demos/won": sum(won), "demos/crashed": sum(crashed), "demos/samples": len(samples)}
 
 
 def lr_factor(step: int, total_steps: int, warmup_ratio: float, schedule: str) -> float:
@@ -640,13 +643,18 @@ def update_policy(model, optimizer, scheduler, prompts, responses, args: Args, p
     optimizer step on the token-mean negative log-likelihood of its response tokens,
     L = -(1 / sum_i |y_i|) sum_i sum_k log pi(y_{i,k} | x_i, y_{i,<k}).
     ALGO LOGIC: replaces the PPO update (no old or reference log-probs, no advantages). Under
-    torchrun a minibatch is the union of one slice per rank, as in the RL files."""
+    torchrun a minibatch is the union of one slice per rank, as in the RL files. Unlike the RL files,
+    log pi is taken at temperature 1, not over --temperature: the clone is fitted as the model itself
+    (what RL then samples from at its own temperature); the logits / T of an RL update score the
+    distribution its rollout sampled from, and a behaviour-cloning target was never sampled from it.
+    A minibatch whose gradient norm is not finite takes no optimizer step (as in the RL files; counted
+    in losses/skipped_steps), while the learning-rate schedule still moves on."""
     device = next(model.parameters()).device
     world_size = dist.get_world_size() if distributed() else 1
     model.train()
     sums = defaultdict(float)
     grad_norms, step_nll, step_lr = [], [], []
-    real_tokens = padded_tokens = 0
+    skipped_steps = real_tokens = padded_tokens = 0
     t0 = time.perf_counter()
     num_minibatches = max(1, math.ceil(all_reduce([len(prompts)])[0] / args.minibatch_size))
     perm = torch.randperm(len(prompts), generator=generator).numpy()
@@ -662,7 +670,8 @@ def update_policy(model, optimizer, scheduler, prompts, responses, args: Args, p
             if micro is None:  # this rank has no more samples: a zero-weight pass keeps ranks in step
                 ids, attn, resp = collate([[pad_id]], [[pad_id]], pad_id)
                 with autocast():
-                    logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+                    logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device),
+                                                args.logprob_chunk_tokens)
                 (logp.sum() * 0.0).backward()
                 continue
             idx = [minibatch[k] for k in micro]
@@ -670,16 +679,21 @@ def update_policy(model, optimizer, scheduler, prompts, responses, args: Args, p
             real_tokens += int(attn.sum())
             padded_tokens += attn.numel()
             with autocast():
-                logp, entropy = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+                logp, entropy = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device),
+                                                  args.logprob_chunk_tokens)
             (-logp.sum() * scale).backward()
             nll -= logp.sum().item()
             sums["losses/nll"] -= logp.sum().item()
             sums["losses/entropy"] += entropy.sum().item()
             sums["tokens"] += len(logp)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         step_lr.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
+        if math.isfinite(grad_norm):
+            grad_norms.append(grad_norm)
+            optimizer.step()
+        else:  # an inf/nan gradient would ruin weights and Adam moments (verl skips); the schedule moves on
+            skipped_steps += 1
         scheduler.step()
         step_nll.append(all_reduce([nll])[0] / max(minibatch_tokens, 1))
     update_s = time.perf_counter() - t0
@@ -688,7 +702,8 @@ def update_policy(model, optimizer, scheduler, prompts, responses, args: Args, p
     metrics = {
         "losses/nll": nll_sum / max(tokens, 1),
         "losses/entropy": entropy_sum / max(tokens, 1),
-        "losses/grad_norm": float(np.mean(grad_norms)),
+        "losses/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
+        "losses/skipped_steps": float(skipped_steps),
         "losses/learning_rate": float(np.mean(step_lr)),
         "perf/update_s": update_s,
         "perf/train_tokens_per_s": real_tokens / max(update_s, 1e-9),
@@ -699,7 +714,7 @@ def update_policy(model, optimizer, scheduler, prompts, responses, args: Args, p
     return metrics, list(zip(step_nll, step_lr))
 
 
-def evaluate_warm_start(spec, runner, tokenizer, generate, args: Args, eval_tasks: list[str], rank: int, world_size: int) -> dict:
+def evaluate_warm_start(spec, runner, tokenizer, generate, args: Args, eval_tasks: dict, rank: int, world_size: int) -> dict:
     """ALGO LOGIC: held-out success at the evaluation temperature (`eval/`, as the RL files log it)
     and at the RL runs' sampling temperature (`eval_sampling/`): the room a warm start leaves RL."""
     metrics = evaluate(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size)
@@ -711,13 +726,20 @@ def evaluate_warm_start(spec, runner, tokenizer, generate, args: Args, eval_task
 # ----------------------------------------------------------------------------------------------
 # Evaluation, logging, checkpoints
 # ----------------------------------------------------------------------------------------------
-def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: list[str], rank: int, world_size: int) -> dict:
-    """One episode per held-out task (split over ranks) at the eval temperature; the training RNG
-    is left untouched, so when and how often we evaluate never changes the training run."""
+def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: dict, rank: int, world_size: int) -> dict:
+    """One episode per held-out task of every eval split (split over ranks) at the eval temperature:
+    `eval/*` over all of them and, with several splits (ALFWorld's seen and unseen games), `eval/{split}/*`
+    for each. The training RNG is left untouched, so evaluating never changes the training run."""
+    tasks = [(split, task_id) for split, task_ids in eval_tasks.items() for task_id in task_ids]
+    mine = [(group, split, task_id) for group, (split, task_id) in enumerate(tasks) if group % world_size == rank]
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-        episodes = [Episode(task_id, group) for group, task_id in enumerate(eval_tasks) if group % world_size == rank]
+        episodes = [Episode(task_id, group) for group, _, task_id in mine]
         rollout(spec, runner, tokenizer, generate, args, episodes, args.eval_temperature, "eval")
-    return episode_metrics(all_gather_objects([episode_stats(e) for e in episodes]), args.success_reward, "eval")
+    stats = all_gather_objects([dict(episode_stats(e), split=split) for e, (_, split, _) in zip(episodes, mine)])
+    metrics = episode_metrics(stats, args.success_reward, "eval")
+    for split in eval_tasks if len(eval_tasks) > 1 else []:
+        metrics.update(episode_metrics([s for s in stats if s["split"] == split], args.success_reward, f"eval/{split}"))
+    return metrics
 
 
 def log_metrics(writer, run_dir: Path, metrics: dict, iteration: int) -> None:
@@ -813,10 +835,11 @@ if __name__ == "__main__":
     args = resolve_args(args, spec)
     try:  # listed before any model is loaded, so missing env data fails fast with its install command
         train_tasks = spec.task_ids(spec.preset.train_split)
-        eval_pool = spec.task_ids(args.eval_split)
+        eval_pools = {split: spec.task_ids(split) for split in args.eval_split.split(",")}
+        print(spec.probe(train_tasks))  # one env started now: a broken env stops the run before the model loads
     except (ValueError, envs.EnvUnavailable) as e:
         fail(str(e))
-    if not train_tasks or not eval_pool:
+    if not train_tasks or not all(eval_pools.values()):
         fail(f"env {args.env} has no tasks in split {spec.preset.train_split!r} or {args.eval_split!r}")
     model_path = resolve_model(args.model)
     rank, world_size, device = init_distributed(args)
@@ -885,7 +908,10 @@ if __name__ == "__main__":
 
     # Tasks: a fixed demonstration set for training; a fixed held-out list for evaluation
     eval_rng = np.random.default_rng(args.seed + 1000)
-    eval_tasks = [eval_pool[k] for k in sorted(eval_rng.choice(len(eval_pool), min(args.num_eval_tasks, len(eval_pool)), replace=False))]
+    eval_tasks = {}  # split -> task ids
+    for split, pool in eval_pools.items():
+        chosen = eval_rng.choice(len(pool), min(args.num_eval_tasks, len(pool)), replace=False)
+        eval_tasks[split] = [pool[k] for k in sorted(chosen)]
     task_rng = np.random.default_rng(args.seed)
     demo_tasks = [train_tasks[k] for k in sorted(task_rng.choice(len(train_tasks), num_demos, replace=False))]
     method_state = {}
@@ -897,6 +923,11 @@ if __name__ == "__main__":
         samples, demo_counts = demonstrations(spec, runner, tokenizer, args, demo_tasks[rank::world_size])
         demo_counts = dict(zip(demo_counts, all_reduce(list(demo_counts.values()))))
         demo_counts["demos/replay_s"] = time.perf_counter() - t0
+        # ALGO LOGIC: the replay is sft.py's only rollout: stop when most replayed plans crashed, as the RL files do
+        replayed = int(demo_counts["demos/tasks"] - demo_counts["demos/without_plan"])
+        num_crashed = int(demo_counts["demos/crashed"])
+        if crashed := envs.most_crashed([True] * num_crashed + [False] * (replayed - num_crashed)):
+            fail(crashed)
         if demo_counts["demos/samples"] == 0:
             fail(f"env {args.env}: none of the {num_demos} {spec.preset.train_split!r} tasks has an expert trajectory that "
                  f"wins ({int(demo_counts['demos/without_plan'])} have no reference actions at all)")

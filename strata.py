@@ -31,7 +31,10 @@ Where the paper is silent, our choices:
 - interpretation: the length penalty is `strategy_length_penalty * (L - budget) / budget` for a
   strategy of L > budget tokens; returns are normalised by success_reward before top-delta.
 - interpretation: the action-level score is R_i / success_reward - invalid_penalty * invalid
-  - kappa * flagged (the judgment reward enters before the group normalisation).
+  - kappa * flagged (the judgment reward enters before the group normalisation). On this [0, 1] scale
+  the invalid penalty (0.1) weighs 10x more against a success than in grpo.py (0.1 against 10).
+- interpretation: the action-level advantage is normalised over the step samples of each
+  (task x strategy) group (verl-agent's GRPO over step samples), not over its M trajectories.
 - interpretation: the judge answers at eval_temperature; an out-of-range step number flags nothing
   (the other numbers stand); output without <judgment> tags or without numbers flags nothing
   and counts as a parse failure. Judgment generations are not trained on.
@@ -98,7 +101,7 @@ class Args:
     num_env_workers: int = 4
     """worker processes stepping the env instances in parallel"""
     eval_split: Optional[str] = None
-    """held-out split used for evaluation (default: the env's preset)"""
+    """held-out split(s) used for evaluation, comma-separated, each logged apart (default: the env's preset)"""
 
     # Rollout
     num_tasks: int = 16
@@ -119,7 +122,7 @@ class Args:
     """text every action turn's answer starts with (e.g. `<think>` for small models): part of the
     prompt, so never trained on, and put back in front of the response before the action is parsed"""
     temperature: float = 1.0
-    """sampling temperature of training rollouts"""
+    """sampling temperature of training rollouts; training log-probs divide the logits by it (as verl)"""
     top_p: float = 1.0
     """nucleus sampling of training rollouts"""
 
@@ -157,7 +160,7 @@ class Args:
     eval_every: int = 5
     """evaluate every N iterations (and before the first and after the last)"""
     num_eval_tasks: int = 128
-    """held-out tasks evaluated each time (the same list every time, chosen by seed)"""
+    """held-out tasks evaluated each time, per eval split (the same list every time, chosen by seed)"""
     eval_temperature: float = 0.4
     """sampling temperature of evaluation episodes"""
 
@@ -237,6 +240,8 @@ def resolve_args(args: Args, spec) -> Args:
         fail(f"--group-size must be at least 2 for a group baseline (got {args.group_size})")
     if args.num_tasks < 1 or args.max_steps < 1 or args.max_new_tokens < 1:
         fail("--num-tasks, --max-steps and --max-new-tokens must be positive")
+    if args.temperature <= 0:
+        fail(f"--temperature must be positive (training log-probs divide the logits by it), got {args.temperature}")
     return args
 
 
@@ -708,7 +713,9 @@ def strategy_reward(returns: np.ndarray, delta: float, n_tokens: int, token_budg
 
 def action_scores(episode_rewards: np.ndarray, invalid: np.ndarray, flagged: np.ndarray, success_reward: float, invalid_penalty: float, kappa: float) -> np.ndarray:
     """s_{i,t} = R_i / success_reward - penalty * invalid_{i,t} + R_judge, R_judge = -kappa * 1[t in I_i]
-    (the judgment reward enters before the (task x strategy) group normalisation)."""
+    (the judgment reward enters before the (task x strategy) group normalisation).
+    interpretation: the penalty is taken on the [0, 1] scale, so it weighs 10x more against a success
+    than grpo.py's (0.1 of 1 here, 0.1 of 10 there)."""
     return step_scores(episode_rewards / success_reward, invalid, invalid_penalty) - kappa * flagged.astype(np.float64)
 
 
@@ -743,6 +750,49 @@ def self_judge(tokenizer, generate, args: Args, episodes: list) -> dict:
             "judged": len(judged), "tokens": sum(len(r) for r in responses)}
 
 
+def training_batch(episodes: list[Episode], args: Args):
+    """One iteration's algorithm, from the played episodes to what update_policy receives: the prompt
+    and response ids of every step sample, its advantage A_{i,t}, and the method's own metrics.
+    ALGO LOGIC: StraTA's two levels. Actions: GRPO within each (task x strategy) group on the judged step
+    scores (interpretation: normalised over the group's step samples, not its trajectories). Strategies:
+    one sample per strategy z (its tokens), after the step samples; its advantage is its top-delta reward
+    normalised over the N strategies of its task. Also returns which samples are z."""
+    turns, sample_groups, rewards, invalid = flatten_turns(episodes, args.success_reward)
+    flagged = np.array([k in e.flagged for e in episodes for k in range(1, len(e.turns) + 1)], dtype=bool)
+    scores = action_scores(rewards, invalid, flagged, args.success_reward, args.invalid_penalty, args.judge_penalty)
+    advantages = grpo_advantages(scores, sample_groups)
+    groups = defaultdict(list)  # (task x strategy) group -> its M episodes, which share one z
+    for e in episodes:
+        groups[e.group].append(e)
+    strategies, z_rewards, z_tasks = [], [], []
+    for members in groups.values():
+        z = members[0].strategy
+        returns = np.array([float(e.won) for e in members])  # R_i / success_reward
+        z_rewards.append(strategy_reward(returns, args.top_delta, len(z.response_ids), args.strategy_token_budget,
+                                         args.strategy_length_penalty, z.tagged, args.strategy_format_penalty))
+        strategies.append(z)
+        z_tasks.append(members[0].task_group)
+    z_advantages = grpo_advantages(np.array(z_rewards), np.array(z_tasks))
+    prompts = [t.prompt_ids for t in turns] + [z.prompt_ids for z in strategies]
+    responses = [t.response_ids for t in turns] + [z.response_ids for z in strategies]
+    is_strategy = np.array([False] * len(turns) + [True] * len(strategies))
+    z = defaultdict(list)  # the strategies of every rank
+    mine = {"reward": z_rewards, "adv": z_advantages.tolist(), "tagged": [s.tagged for s in strategies],
+            "tokens": [len(s.response_ids) for s in strategies]}
+    for part in all_gather_objects([mine]):
+        for k, v in part.items():
+            z[k] += v
+    z = {k: np.array(v, dtype=np.float64) for k, v in z.items()}
+    metrics = {
+        "strata/strategy_reward": float(z["reward"].mean()),
+        "strata/strategy_reward_std": float(z["reward"].std()),
+        "strata/strategy_advantage_abs_mean": float(np.abs(z["adv"]).mean()),
+        "strata/strategy_tokens": float(z["tokens"].mean()),
+        "strata/strategy_format_ok": float(z["tagged"].mean()),
+    }
+    return prompts, responses, np.concatenate([advantages, z_advantages]), is_strategy, metrics
+
+
 # ----------------------------------------------------------------------------------------------
 # Update: PPO-clip with dual clip, k3 KL, entropy bonus; token-mean over each minibatch
 # ----------------------------------------------------------------------------------------------
@@ -773,16 +823,17 @@ def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
     return input_ids, attention_mask, response_mask
 
 
-def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor):
-    logits = lm_head(hidden).float()
+def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
+    logits = lm_head(hidden).float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
 
 
-def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tokens: int):
-    """log pi(y_k | x, y_<k) and entropy for every response token, flattened row by row.
+def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tokens: int, temperature: float = 1.0):
+    """log pi(y_k | x, y_<k) and entropy for every response token, flattened row by row, of the
+    distribution the rollout sampled from: softmax(logits / temperature), as verl computes them.
     Logits exist only for response positions, `chunk_tokens` rows at a time; with grad, each
     chunk is recomputed in backward instead of keeping full-vocabulary logits alive."""
     captured = []  # the final norm's output, i.e. what lm_head reads
@@ -799,9 +850,10 @@ def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tok
     for start in range(0, targets.shape[0], chunk_tokens):
         h, y = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         if torch.is_grad_enabled():
-            logp, entropy = torch.utils.checkpoint.checkpoint(_chunk_logprobs, model.lm_head, h, y, use_reentrant=False)
+            logp, entropy = torch.utils.checkpoint.checkpoint(_chunk_logprobs, model.lm_head, h, y, temperature,
+                                                              use_reentrant=False)
         else:
-            logp, entropy = _chunk_logprobs(model.lm_head, h, y)
+            logp, entropy = _chunk_logprobs(model.lm_head, h, y, temperature)
         logps.append(logp)
         entropies.append(entropy)
     return torch.cat(logps), torch.cat(entropies)
@@ -835,7 +887,8 @@ def recompute_logprobs(model, prompts, responses, args: Args, pad_id: int, autoc
         rows = batch or []  # None: a dummy pass of one padding token keeps FSDP ranks in step
         ids, attn, resp = collate([prompts[i] for i in rows] or [[pad_id]], [responses[i] for i in rows] or [[pad_id]], pad_id)
         with autocast():
-            logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+            logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device),
+                                        args.logprob_chunk_tokens, args.temperature)
         for i, part in zip(rows, logp.float().cpu().split([len(responses[i]) for i in rows])):
             out[i] = part
     return out
@@ -845,6 +898,8 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
     """Old (and reference) log-probs first, then `update_epochs` passes of minibatch PPO steps.
     Under torchrun each rank holds its own groups' samples; a minibatch is the union of one
     slice from every rank and its loss is the token-mean over all of their response tokens.
+    Every pass (old, reference, new) scores softmax(logits / temperature), the distribution the
+    rollout sampled from (verl); a step whose gradient norm is not finite is skipped and counted.
     ALGO LOGIC: J = action token-mean + lambda * strategy token-mean in each minibatch; the strategy
     samples (is_strategy) are dealt evenly over the minibatches."""
     device = next(model.parameters()).device
@@ -858,8 +913,9 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
         strategies = np.array_split(perm[is_strategy[perm]], num_minibatches)[::-1]  # the smaller slices go with the larger action slices
         epochs.append([np.concatenate([a_part, z_part]) for a_part, z_part in zip(actions, strategies)])
     # Until the first optimizer step the old policy is the current one, so the first minibatch takes
-    # its old log-probs from its own training forward (detached: ratio exactly 1). Only the samples
-    # trained after a step need the separate no-grad pass.
+    # its old log-probs from its own training forward (detached, at the same temperature as the no-grad
+    # pass: ratio exactly 1) and keeps them for later epochs. Only the samples trained after a step need
+    # the separate no-grad pass.
     stale = sorted(set(range(len(prompts))) - set(epochs[0][0].tolist()))
     t0 = time.perf_counter()
     old_logps = dict(zip(stale, recompute_logprobs(model, [prompts[i] for i in stale], [responses[i] for i in stale], args, pad_id, autocast)))
@@ -869,7 +925,7 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
     model.train()
     sums = defaultdict(float)
     grad_norms = []
-    real_tokens = padded_tokens = 0
+    skipped_steps = real_tokens = padded_tokens = 0
     t0 = time.perf_counter()
     for minibatches in epochs:
         for minibatch in minibatches:
@@ -885,7 +941,8 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
                 if micro is None:  # this rank has no more samples: a zero-weight pass keeps ranks in step
                     ids, attn, resp = collate([[pad_id]], [[pad_id]], pad_id)
                     with autocast():
-                        logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+                        logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device),
+                                                    args.logprob_chunk_tokens, args.temperature)
                     (logp.sum() * 0.0).backward()
                     continue
                 idx = [minibatch[k] for k in micro]
@@ -895,9 +952,11 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
                 adv = torch.cat([torch.full((len(responses[i]),), float(advantages[i])) for i in idx]).to(device)
                 weight = torch.cat([torch.full((len(responses[i]),), scale[1] if is_strategy[i] else scale[0]) for i in idx]).to(device)
                 with autocast():
-                    logp, entropy = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
-                own = logp.detach().split([len(responses[i]) for i in idx])
-                old = torch.cat([old_logps[i].to(device) if i in old_logps else mine for i, mine in zip(idx, own)])
+                    logp, entropy = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device),
+                                                      args.logprob_chunk_tokens, args.temperature)
+                for i, mine in zip(idx, logp.detach().split([len(responses[i]) for i in idx])):
+                    old_logps.setdefault(i, mine)  # first minibatch of the first epoch: pi_old, kept for later epochs
+                old = torch.cat([old_logps[i].to(device) for i in idx])
                 pg_loss, clipped = ppo_clip_loss(logp, old, adv, args.clip_eps, args.dual_clip)
                 loss = pg_loss - args.entropy_coef * entropy
                 if ref_logps is not None:
@@ -914,7 +973,11 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
                 sums["losses/approx_kl_old"] += (old - logp).sum().item()
                 sums["tokens"] += len(logp)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            if not math.isfinite(grad_norm):  # an inf/nan gradient would ruin weights and Adam moments (verl skips)
+                skipped_steps += 1
+                continue
+            grad_norms.append(grad_norm)
             optimizer.step()
     update_s = time.perf_counter() - t0
     keys = ["losses/policy_loss", "losses/entropy", "losses/clipfrac", "losses/approx_kl_old", "losses/kl", "tokens"]
@@ -923,7 +986,8 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
     z_loss, z_tokens = all_reduce([sums["strata/strategy_policy_loss"], sums["strata/strategy_tokens"]])
     metrics["strata/strategy_policy_loss"] = z_loss / max(z_tokens, 1)
     real_tokens, padded_tokens = all_reduce([real_tokens, padded_tokens])
-    metrics["losses/grad_norm"] = float(np.mean(grad_norms))
+    metrics["losses/grad_norm"] = float(np.mean(grad_norms)) if grad_norms else float("nan")
+    metrics["losses/skipped_steps"] = float(skipped_steps)
     metrics["perf/logprob_s"] = logprob_s
     metrics["perf/update_s"] = update_s
     metrics["perf/train_tokens_per_s"] = real_tokens / max(update_s, 1e-9)
@@ -935,16 +999,25 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
 # ----------------------------------------------------------------------------------------------
 # Evaluation, logging, checkpoints
 # ----------------------------------------------------------------------------------------------
-def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: list[str], rank: int, world_size: int) -> dict:
-    """One episode per held-out task (split over ranks) at the eval temperature; the training RNG
-    is left untouched, so when and how often we evaluate never changes the training run."""
+def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: dict, rank: int, world_size: int) -> dict:
+    """One episode per held-out task of every eval split (split over ranks) at the eval temperature:
+    `eval/*` over all of them and, with several splits (ALFWorld's seen and unseen games), `eval/{split}/*`
+    for each. The training RNG is left untouched, so evaluating never changes the training run."""
+    tasks = [(split, task_id) for split, task_ids in eval_tasks.items() for task_id in task_ids]
+    mine = [(group, split, task_id) for group, (split, task_id) in enumerate(tasks) if group % world_size == rank]
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-        episodes = [Episode(task_id, group) for group, task_id in enumerate(eval_tasks) if group % world_size == rank]
+        episodes = [Episode(task_id, group) for group, _, task_id in mine]
         # ALGO LOGIC: one strategy per episode at the eval temperature (no selection, no judgment)
-        for e, (z,) in zip(episodes, sample_strategies(spec, runner, tokenizer, generate, args, [e.task_id for e in episodes], 1, args.eval_temperature)):
+        strategies = sample_strategies(spec, runner, tokenizer, generate, args, [e.task_id for e in episodes], 1,
+                                       args.eval_temperature)
+        for e, (z,) in zip(episodes, strategies):
             e.strategy = z
         rollout(spec, runner, tokenizer, generate, args, episodes, args.eval_temperature, "eval")
-    return episode_metrics(all_gather_objects([episode_stats(e) for e in episodes]), args.success_reward, "eval")
+    stats = all_gather_objects([dict(episode_stats(e), split=split) for e, (_, split, _) in zip(episodes, mine)])
+    metrics = episode_metrics(stats, args.success_reward, "eval")
+    for split in eval_tasks if len(eval_tasks) > 1 else []:
+        metrics.update(episode_metrics([s for s in stats if s["split"] == split], args.success_reward, f"eval/{split}"))
+    return metrics
 
 
 def log_metrics(writer, run_dir: Path, metrics: dict, iteration: int) -> None:
@@ -1039,10 +1112,11 @@ if __name__ == "__main__":
     args = resolve_args(args, spec)
     try:  # listed before any model is loaded, so missing env data fails fast with its install command
         train_tasks = spec.task_ids(spec.preset.train_split)
-        eval_pool = spec.task_ids(args.eval_split)
+        eval_pools = {split: spec.task_ids(split) for split in args.eval_split.split(",")}
+        print(spec.probe(train_tasks))  # one env started now: a broken env stops the run before the model loads
     except (ValueError, envs.EnvUnavailable) as e:
         fail(str(e))
-    if not train_tasks or not eval_pool:
+    if not train_tasks or not all(eval_pools.values()):
         fail(f"env {args.env} has no tasks in split {spec.preset.train_split!r} or {args.eval_split!r}")
     model_path = resolve_model(args.model)
     rank, world_size, device = init_distributed(args)
@@ -1117,7 +1191,10 @@ if __name__ == "__main__":
 
     # Tasks: training tasks sampled per iteration; a fixed held-out list for evaluation
     eval_rng = np.random.default_rng(args.seed + 1000)
-    eval_tasks = [eval_pool[k] for k in sorted(eval_rng.choice(len(eval_pool), min(args.num_eval_tasks, len(eval_pool)), replace=False))]
+    eval_tasks = {}  # split -> task ids
+    for split, pool in eval_pools.items():
+        chosen = eval_rng.choice(len(pool), min(args.num_eval_tasks, len(pool)), replace=False)
+        eval_tasks[split] = [pool[k] for k in sorted(chosen)]
     task_rng = np.random.default_rng(args.seed)
     my_groups = range(rank * args.num_tasks // world_size, (rank + 1) * args.num_tasks // world_size)
     method_state = {}
@@ -1154,35 +1231,30 @@ if __name__ == "__main__":
             episodes = [Episode(train_tasks[tasks[g]], g * N + j, strategy=chosen[g][j], task_group=g) for g in my_groups for j in range(N) for _ in range(M)]
             timing = rollout(spec, runner, tokenizer, generate, args, episodes, args.temperature, "rollout")
             rollout_s = time.perf_counter() - iteration_start
+            if crashed := envs.most_crashed([e.crashed for e in episodes]):
+                fail(crashed)
             judge_s = time.perf_counter()
             judged = self_judge(tokenizer, generate, args, episodes) if args.judgment else {}
             judge_s = time.perf_counter() - judge_s
 
-            # ALGO LOGIC: action level: GRPO within each (task x strategy) group on judged step scores
-            turns, sample_groups, rewards, invalid = flatten_turns(episodes, args.success_reward)
-            flagged = np.array([k in e.flagged for e in episodes for k in range(1, len(e.turns) + 1)], dtype=bool)
-            scores = action_scores(rewards, invalid, flagged, args.success_reward, args.invalid_penalty, args.judge_penalty)
-            advantages = grpo_advantages(scores, sample_groups)
-            # ALGO LOGIC: strategy level: top-delta reward, normalised over the N strategies of the task
-            strategies = [z for g in my_groups for z in chosen[g]]
-            z_rewards = np.array([strategy_reward(np.array([float(e.won) for e in episodes if e.group == my_groups.start * N + k]), args.top_delta, len(z.response_ids),
-                                                  args.strategy_token_budget, args.strategy_length_penalty, z.tagged, args.strategy_format_penalty) for k, z in enumerate(strategies)])
-            z_advantages = grpo_advantages(z_rewards, np.arange(len(strategies)) // N)
+            # ALGO LOGIC: the method, from the played episodes to the samples and advantages trained on
+            prompts, responses, advantages, is_strategy, algo_metrics = training_batch(episodes, args)
 
-            # TRY NOT TO MODIFY: the update
+            # the update (ALGO LOGIC: update_policy weighs the strategy samples' token-mean by lambda)
             if llm is not None and args.vllm_sleep:
                 llm.sleep(level=1)
-            prompts = [t.prompt_ids for t in turns] + [z.prompt_ids for z in strategies]  # ALGO LOGIC: + one sample per strategy
-            responses = [t.response_ids for t in turns] + [z.response_ids for z in strategies]
-            is_strategy = [False] * len(turns) + [True] * len(strategies)
-            metrics = update_policy(model, ref_model, optimizer, prompts, responses, np.concatenate([advantages, z_advantages]), args, tokenizer.pad_token_id, autocast, update_generator, is_strategy)
+            metrics = update_policy(model, ref_model, optimizer, prompts, responses, advantages, args,
+                                    tokenizer.pad_token_id, autocast, update_generator, is_strategy)
             if llm is not None:
                 sync_vllm_weights(llm, model, args.vllm_sleep)
             elif plain_model is not model:
                 sync_generation_weights(plain_model, model)
 
+            # TRY NOT TO MODIFY: what the iteration achieved and cost
+            metrics.update(algo_metrics)
             metrics.update(episode_metrics(all_gather_objects([episode_stats(e) for e in episodes]), args.success_reward, "charts"))
-            totals = all_reduce([np.abs(advantages).sum(), len(turns), sum(map(len, prompts)), sum(map(len, responses)), timing["gen_tokens"]])
+            totals = all_reduce([np.abs(advantages).sum(), len(prompts), sum(map(len, prompts)),
+                                 sum(map(len, responses)), timing["gen_tokens"]])
             metrics.update({
                 "charts/advantage_abs_mean": totals[0] / max(totals[1], 1),
                 "perf/rollout_s": rollout_s,
@@ -1194,29 +1266,24 @@ if __name__ == "__main__":
                 "tokens/response": totals[3],
                 "tokens/samples": totals[1],
             })
-            z = defaultdict(list)  # the strategies of every rank
-            for part in all_gather_objects([{"reward": z_rewards.tolist(), "adv": z_advantages.tolist(), "tokens": [len(s.response_ids) for s in strategies],
-                                             "tagged": [s.tagged for s in strategies], **diversity}]):
-                for k, v in part.items():
-                    z[k] += v
-            z = {k: np.array(v, dtype=np.float64) for k, v in z.items()}
+
+            # ALGO LOGIC: StraTA's rollout-side numbers: diversity of the chosen strategies, self-judgment, time shares
+            diversity = {k: np.array(all_gather_objects(v)) for k, v in diversity.items()}  # every rank's tasks
             if judged:
                 j = dict(zip(judged, all_reduce(list(judged.values()))))
-                metrics.update({"strata/judge_flagged_frac": j["flagged"] / max(j["steps"], 1), "strata/judge_parse_fail_frac": j["failures"] / max(j["judged"], 1),
+                metrics.update({"strata/judge_flagged_frac": j["flagged"] / max(j["steps"], 1),
+                                "strata/judge_parse_fail_frac": j["failures"] / max(j["judged"], 1),
                                 "strata/judge_tokens": j["tokens"]})
-            metrics.update({  # ALGO LOGIC: StraTA's own numbers
-                "strata/strategy_reward": float(z["reward"].mean()),
-                "strata/strategy_reward_std": float(z["reward"].std()),
-                "strata/strategy_advantage_abs_mean": float(np.abs(z["adv"]).mean()),
-                "strata/strategy_tokens": float(z["tokens"].mean()),
-                "strata/strategy_format_ok": float(z["tagged"].mean()),
-                "strata/diversity_chosen": float(z["chosen"].mean()),
-                "strata/diversity_random": float(z["random"].mean()),
+            metrics.update({
+                "strata/diversity_chosen": float(diversity["chosen"].mean()),
+                "strata/diversity_random": float(diversity["random"].mean()),
                 "strata/strategy_s": strategy_s,
                 "strata/judge_s": judge_s,
                 "strata/strategy_time_frac": strategy_s / metrics["perf/iteration_s"],
                 "strata/judge_time_frac": judge_s / metrics["perf/iteration_s"],
             })
+
+            # TRY NOT TO MODIFY: evaluation, logging, checkpoints
             if iteration % args.eval_every == 0 or iteration == args.total_iterations:
                 metrics.update(evaluate(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size))
             if is_main:

@@ -53,7 +53,7 @@ def main(args: Args) -> dict:
     env = spec.make()
     actions, answers, valid = Counter(), Counter(), 0
     try:
-        for task_id in spec.task_ids(spec.preset.eval_split)[: args.num_games]:
+        for task_id in spec.task_ids(spec.preset.eval_split.split(",")[0])[: args.num_games]:
             step = env.reset(task_id)
             prompt = grpo.encode_prompt(tokenizer, spec.prompt(step.task, step.observation, step.admissible, [], 0, 0), args.response_prefix)
             responses = grpo.generate_hf(model, tokenizer, [prompt] * args.samples, args.max_new_tokens, args.temperature, 1.0,

@@ -4,14 +4,17 @@ One small protocol, one module per real environment. A method script only ever d
 
     spec = envs.load("cooking", data=None)       # the adapter module + its options
     spec.preset.max_steps                         # per-env defaults (verl-agent where they exist)
-    spec.task_ids("train")                        # task ids of a split
+    train_tasks = spec.task_ids("train")          # task ids of a split
+    print(spec.probe(train_tasks))                # start one env now: a broken env fails before the model loads
     runner = envs.EnvRunner(spec, num_workers=4)  # env instances in worker processes
     steps = runner.reset(task_ids)                # -> list[Step], one per episode
     text = spec.prompt(...); action, valid = spec.parse(response)
+    envs.most_crashed([s.crashed for s in ...])   # the line to stop with when most episodes crashed
 
 Each adapter module (envs/cooking.py, envs/alfworld.py, ...) defines, in this order:
   PRESET                      a Preset
   task_ids(split, **kw)       the task ids of a split (cheap, no engine started)
+  task_type(task_id)          the task's type, read off its id (success is logged per type)
   class Env(**kw)             reset(task_id) -> Step, step(action) -> Step,
                               reference_actions(task_id) -> list[str] (action data, never an answer),
                               demonstration(task_id) -> list[str] (the expert's whole episode),
@@ -29,8 +32,10 @@ env, with an EnvUnavailable error naming the install command.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Hashable, Optional
 
@@ -104,6 +109,9 @@ class EnvSpec:
     def task_ids(self, split: str) -> list[str]:
         return self.module.task_ids(split, **self.kwargs)
 
+    def task_type(self, task_id: str) -> str:
+        return self.module.task_type(task_id)
+
     def make(self):
         return self.module.Env(**self.kwargs)
 
@@ -120,6 +128,35 @@ class EnvSpec:
     def project_state(self, state, task, reference_actions) -> frozenset:
         return self.module.project_state(state, task, reference_actions)
 
+    def probe(self, task_ids: list[str]) -> str:
+        """Start one env on the first task (of the train split) in this process, then close it, so a
+        run whose env cannot start (no retrieval server, missing data, Java broken) stops with one
+        line before any model loads. Any error becomes EnvUnavailable; returns the line to print."""
+        if not task_ids:
+            raise EnvUnavailable(f"env {self.name} has no training tasks")
+        start, env = time.perf_counter(), None
+        try:
+            env = self.make()
+            env.prepare(task_ids[0])
+            env.reset(task_ids[0])
+        except EnvUnavailable:
+            raise
+        except Exception as e:
+            raise EnvUnavailable(f"env {self.name} cannot start task {task_ids[0]}: {type(e).__name__}: {e}") from e
+        finally:
+            with contextlib.suppress(Exception):
+                env is not None and env.close()
+        return f"env {self.name}: started {task_ids[0]} in {time.perf_counter() - start:.1f}s ({len(task_ids)} tasks)"
+
+
+def most_crashed(crashed: list[bool]) -> str | None:
+    """When most episodes of an iteration crashed (their env failed, not the policy), the line the
+    run stops with: their rewards say nothing about the policy. None otherwise."""
+    if 2 * sum(crashed) > len(crashed):
+        return (f"{sum(crashed)} of {len(crashed)} episodes of this iteration crashed (see the warnings above): "
+                f"the env is failing; stopping rather than training on them")
+    return None
+
 
 CJK = re.compile(r"[\u4e00-\u9fff]")
 
@@ -127,14 +164,23 @@ CJK = re.compile(r"[\u4e00-\u9fff]")
 def verl_projection(response: str, tail_chars: int) -> tuple[str, bool]:
     """verl-agent's action projection (ALFWorld 30, WebShop 20 tail chars): lowercase; the text
     between <action> and </action> is the action; without both tags the raw tail is sent and the
-    step is invalid; missing <think>/</think> (case-sensitive) or CJK text also make it invalid."""
+    step is invalid; missing <think>/</think> (case-sensitive) or CJK text also make it invalid.
+
+    Where this differs from verl-agent: it reads from the first <action> to the first </action>
+    whatever else the response holds, so `</action>x<action>` gave an empty valid action and
+    `<action><action>x</action>` a valid `<action>x`. Here the action tags must be exactly one
+    <action> before one </action>, and the first <think> must come before the first </think>;
+    any other tag structure (reversed, nested, repeated) is malformed and treated as missing
+    tags: the raw tail is sent and the step is invalid."""
     lowered = response.lower()
     start, end = lowered.find("<action>"), lowered.find("</action>")
-    if start != -1 and end != -1:
+    well_formed = lowered.count("<action>") == lowered.count("</action>") == 1 and start < end
+    if well_formed:
         action, valid = lowered[start + len("<action>") : end].strip(), True
     else:
         action, valid = lowered[-tail_chars:], False
-    if "<think>" not in response or "</think>" not in response or CJK.search(response):
+    think, unthink = response.find("<think>"), response.find("</think>")
+    if think == -1 or unthink == -1 or unthink < think or CJK.search(response):
         valid = False
     return action, valid
 

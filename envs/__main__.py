@@ -16,7 +16,7 @@ import envs
 def check(name: str, split: str | None, num_tasks: int, num_workers: int, data: str | None, url: str | None) -> int:
     try:
         spec = envs.load(name, data=data, url=url)
-        split = split or spec.preset.eval_split
+        split = split or spec.preset.eval_split.split(",")[0]  # the first of the env's eval splits
         tasks = spec.task_ids(split)[:num_tasks]
     except (ValueError, envs.EnvUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -29,7 +29,7 @@ def check(name: str, split: str | None, num_tasks: int, num_workers: int, data: 
     start = time.perf_counter()
     failures = steps_total = 0
     with envs.EnvRunner(spec, num_workers) as runner:
-        # a few tasks per worker at a time: one reset of hundreds of games would outlast the worker timeout
+        # a few tasks per worker at a time, so results print as they come
         for first in range(0, len(tasks), 4 * num_workers):
             chunk = tasks[first : first + 4 * num_workers]
             won, taken, plans = replay(runner, chunk)

@@ -22,10 +22,11 @@ from pathlib import Path
 
 from envs import EnvUnavailable, Preset, Step, verl_answer, verl_projection
 
-# verl-agent's defaults (examples/*_trainer/run_alfworld.sh); its validation set is in-distribution.
+# verl-agent's defaults (examples/*_trainer/run_alfworld.sh). Its validation set is in-distribution;
+# the papers also report the unseen games, so evaluation plays both and logs each (eval/{split}/*).
 PRESET = Preset(
     max_steps=50, history_length=2, max_prompt_tokens=2048, max_new_tokens=512,
-    success_reward=10.0, invalid_penalty=0.1, eval_split="eval_in_distribution",
+    success_reward=10.0, invalid_penalty=0.1, eval_split="eval_in_distribution,eval_out_of_distribution",
 )
 
 SPLITS = {"train": "train", "eval_in_distribution": "valid_seen", "eval_out_of_distribution": "valid_unseen"}
@@ -56,16 +57,17 @@ def data_root(data: str | None = None) -> Path:
     return root.parent if root.name == "json_2.1.1" else root
 
 
-def task_type_of(task_id: str) -> str:
-    folder = task_id.split("/")[-2]
-    return next(t for t in TASK_TYPES if folder.startswith(t))
-
-
 # ---- load data ----------------------------------------------------------------------------
 def task_ids(split: str, data: str | None = None, **_) -> list[str]:
     if split not in SPLITS:
         raise ValueError(f"alfworld splits are {list(SPLITS)}, not {split!r}")
     return list(_games(str(data_root(data)), SPLITS[split]))
+
+
+def task_type(task_id: str) -> str:
+    """The trial folder's prefix: 'valid_seen/pick_and_place_simple-Mug-None-Desk-308/trial_...' -> 'pick_and_place_simple'"""
+    folder = task_id.split("/")[-2]
+    return next(t for t in TASK_TYPES if folder.startswith(t))
 
 
 @lru_cache(maxsize=None)
@@ -152,7 +154,7 @@ class Env:
         observation = gs.feedback.strip()
         start = observation.find("Your task is to: ")  # verl-agent's task extraction
         self.task = observation[start + len("Your task is to: "):].strip() if start != -1 else ""
-        self.task_type = task_type_of(task_id)
+        self.task_type = task_type(task_id)
         return self._step(gs, observation)
 
     # ---- step -----------------------------------------------------------------------------

@@ -72,6 +72,10 @@ def task_ids(split: str, level: str | None = None, **_) -> list[str]:
     return [f"{split}-{lvl}-{seed}" for seed in range(TASKS_PER_LEVEL[split]) for lvl in levels]
 
 
+def task_type(task_id: str) -> str:
+    return parse_task_id(task_id)[1]
+
+
 def compile_game(task_id: str, cache: Path) -> Path:
     """Generate and compile the game of `task_id` once; concurrent callers are safe (atomic rename)."""
     path = cache / f"{task_id}.z8"
@@ -161,7 +165,7 @@ class Env:
         self._env = textworld.start(str(compile_game(task_id, self.cache)), request_infos=infos)
         gs = self._env.reset()
         self.task = gs.objective.strip()
-        self.task_type = parse_task_id(task_id)[1]
+        self.task_type = task_type(task_id)
         return self._step(gs, clean(gs.feedback, self.task))
 
     # ---- step -----------------------------------------------------------------------------

@@ -10,10 +10,23 @@ reset works again.
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
+import time
 import traceback
 
-WORKER_TIMEOUT_S = float(os.environ.get("ENV_WORKER_TIMEOUT_S", "600"))
+# Seconds a worker may take over one env call before it counts as frozen: it is restarted and its
+# episodes crash. The slowest real calls measured, as CPU s / wall s, at nice 19 on 2 cores that
+# two full-priority runs kept busy (a starved worst case: wall up to 100x CPU; a run's own
+# processes share the cores at equal priority, about 2-3x CPU on 2 busy cores):
+#   reset: ALFWorld first reset of a game 2.5 / 74 (median 2.1 CPU over 10 valid_unseen games);
+#          cooking 0.02 / 0.7; ScienceWorld 0.17 / 0.6 (JVM start and first load: 38 wall)
+#   setup: cooking compile 4.6 / 134 (511 wall once, starved); ScienceWorld gold path 5.8 / 7.4
+#          (mendelian genetics, the slowest of the 30 tasks), 4.1 / 67 (boil)
+WORKER_TIMEOUT_S = float(os.environ.get("ENV_WORKER_TIMEOUT_S", "120"))  # reset, step
+SETUP_TIMEOUT_S = float(os.environ.get("ENV_SETUP_TIMEOUT_S", "600"))  # per-task calls (build a task)
+# Commands about a task rather than an episode: run on a worker's spare env (slot -1), setup timeout.
+TASK_CALLS = {"prepare": "prepare", "reference": "reference_actions", "demonstration": "demonstration"}
 
 
 def _crash_step(message: str, last=None):
@@ -64,17 +77,7 @@ def _worker(conn, module_name: str, kwargs: dict) -> None:
             cmd, payload = conn.recv()
         except (EOFError, KeyboardInterrupt):
             break
-        if cmd == "prepare":
-            out = [guarded(-1, lambda env, t=t: env.prepare(t)) for t in payload]
-        elif cmd == "reset":
-            out = [guarded(slot, lambda env, t=t: env.reset(t)) for slot, t in payload]
-        elif cmd == "step":
-            out = [guarded(slot, lambda env, a=a: env.step(a)) for slot, a in payload]
-        elif cmd == "reference":
-            out = [guarded(-1, lambda env, t=t: env.reference_actions(t)) for t in payload]
-        elif cmd == "demonstration":
-            out = [guarded(-1, lambda env, t=t: env.demonstration(t)) for t in payload]
-        elif cmd == "close":
+        if cmd == "close":
             for env in envs.values():
                 try:
                     env.close()
@@ -82,21 +85,32 @@ def _worker(conn, module_name: str, kwargs: dict) -> None:
                     pass
             conn.send(None)
             break
-        else:
-            out = ValueError(f"unknown command {cmd}")
-        conn.send(out)
+        # one answer per item, sent as soon as it is ready: the trainer's timeout is per env call
+        for item in payload:
+            if cmd in TASK_CALLS:
+                out = guarded(-1, lambda env, t=item: getattr(env, TASK_CALLS[cmd])(t))
+            elif cmd == "reset":
+                out = guarded(item[0], lambda env, t=item[1]: env.reset(t))
+            elif cmd == "step":
+                out = guarded(item[0], lambda env, a=item[1]: env.step(a))
+            else:
+                out = ValueError(f"unknown command {cmd}")
+            conn.send(out)
 
 
 class EnvRunner:
     """Steps episodes of one env in `num_workers` processes (spawned: safe beside torch threads)."""
 
-    def __init__(self, spec, num_workers: int = 4):
+    def __init__(self, spec, num_workers: int = 4, timeout_s: float | None = None):
         self.spec = spec
         self.num_workers = max(1, int(num_workers))
+        self.timeout_s = WORKER_TIMEOUT_S if timeout_s is None else timeout_s  # per reset or step
+        self.setup_timeout_s = max(SETUP_TIMEOUT_S, self.timeout_s)  # per TASK_CALLS item
         self._ctx = mp.get_context("spawn")
         self._procs: list = [None] * self.num_workers
         self._conns: list = [None] * self.num_workers
         self._last: dict[int, object] = {}
+        self._types: dict[int, str] = {}  # episode -> its task's type, for an episode that fails at reset
         self.crashes = 0
         for w in range(self.num_workers):
             self._start(w)
@@ -120,30 +134,45 @@ class EnvRunner:
         self._start(w)
 
     def _call(self, cmd: str, per_worker: dict[int, list]) -> dict[int, list]:
-        """Send one command to every worker with work, then gather; a dead worker yields None."""
-        sent = {}
+        """Send one command to every worker with work, then gather each item's answer as it comes.
+        A worker that dies, or answers none of its items in time, is restarted and yields None."""
+        limit = self.setup_timeout_s if cmd in TASK_CALLS else self.timeout_s
+        waiting: dict[int, int] = {}  # worker -> items it still owes
+        failed: set[int] = set()
         for w, payload in per_worker.items():
             if not payload:
                 continue
             try:
                 self._conns[w].send((cmd, payload))
-                sent[w] = payload
+                waiting[w] = len(payload)
             except (BrokenPipeError, OSError):
-                sent[w] = None
-        out = {}
-        for w, payload in sent.items():
-            result = None
-            if payload is not None:
+                failed.add(w)
+        answers: dict[int, list] = {w: [] for w in waiting}
+        deadline = {w: time.monotonic() + limit for w in waiting}
+        while waiting:
+            by_conn = {self._conns[w]: w for w in waiting}
+            timeout = max(0.0, min(deadline[w] for w in waiting) - time.monotonic())
+            for conn in mp_connection.wait(list(by_conn), timeout):
+                w = by_conn[conn]
                 try:
-                    if self._conns[w].poll(WORKER_TIMEOUT_S):
-                        result = self._conns[w].recv()
+                    answer = conn.recv()
                 except (EOFError, OSError, ConnectionResetError):
-                    result = None
-            if result is None or isinstance(result, Exception):
-                self._restart(w)
-                result = None
-            out[w] = result
-        return out
+                    answer = ConnectionError("worker died")
+                if isinstance(answer, Exception):
+                    failed.add(w)
+                    del waiting[w]
+                    continue
+                answers[w].append(answer)
+                deadline[w] = time.monotonic() + limit
+                waiting[w] -= 1
+                if not waiting[w]:
+                    del waiting[w]
+            for w in [w for w in waiting if time.monotonic() > deadline[w]]:  # frozen: no answer in time
+                failed.add(w)
+                del waiting[w]
+        for w in failed:
+            self._restart(w)
+        return {w: None if w in failed else answers.get(w) for w in per_worker if per_worker[w]}
 
     def _episodes_call(self, cmd: str, items: dict[int, object]) -> dict[int, object]:
         per_worker: dict[int, list] = {w: [] for w in range(self.num_workers)}
@@ -160,10 +189,10 @@ class EnvRunner:
             got = results.get(w)
             for k, ep in enumerate(eps):
                 out[ep] = got[k] if got is not None else _crash_step("worker died", self._last.get(ep))
-                if out[ep].crashed and got is not None:
+                if out[ep].crashed:  # keep the episode's task on its failure, so it is logged under its type
                     last = self._last.get(ep)
                     out[ep].task = out[ep].task or getattr(last, "task", "")
-                    out[ep].task_type = out[ep].task_type or getattr(last, "task_type", "")
+                    out[ep].task_type = out[ep].task_type or getattr(last, "task_type", "") or self._types.get(ep, "")
                 self._last[ep] = out[ep]
         return out
 
@@ -183,6 +212,7 @@ class EnvRunner:
         """Start episode i on task_ids[i]; episodes beyond len(task_ids) are forgotten."""
         self._spread("prepare", task_ids)  # build each distinct task once (e.g. compile a game)
         self._last = {}
+        self._types = {i: self.spec.task_type(t) for i, t in enumerate(task_ids)}
         out = self._episodes_call("reset", dict(enumerate(task_ids)))
         return [out[i] for i in range(len(task_ids))]
 

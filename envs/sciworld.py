@@ -1,7 +1,7 @@
 """ScienceWorld (30 elementary-science tasks in a text simulator, Java): StraTA's third env.
 
-The `scienceworld` package ships its own jar; each Env instance starts one JVM (about 1.5 s)
-on first use and reuses it for every later episode (`load` swaps the task in about 20 ms).
+The `scienceworld` package ships its own jar. A process starts one JVM and each of its Envs runs
+its own simulator in it (see JVM), reused for every later episode (`load` swaps the task).
 
 Task ids are `{taskName}-{variation}` (e.g. `boil-21`); the train / dev / test splits are the
 package's own variation lists (`get_variations_train/dev/test`, about 50/25/25% per task name),
@@ -19,6 +19,7 @@ verl-agent's ALFWorld template, showing ScienceWorld's own action templates ("fo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -34,8 +35,15 @@ PRESET = Preset(
 
 SPLITS = ("train", "dev", "test")
 SIMPLIFICATION = "easy"
-STEP_LIMIT = 100_000  # the trainer enforces max_steps; the engine's own limit would end replays early
-HIDDEN_TEMPLATES = {"reset task"}  # restarting the episode from inside it is not an agent action
+# Engine commands that are not task actions (found in scienceworld 1.2.3's jar): `reset task`
+# wipes the goal progress mid-episode (a listed template, hidden from the prompt); `help` and
+# `objects` print every action template and object name. The engine drops the articles a, an and
+# the anywhere ("reset the task" resets too), so they are compared without them.
+META_COMMANDS = {"reset task", "help", "objects"}
+ARTICLES = {"a", "an", "the"}
+# SerialGC and a heap that gives memory back keep a JVM near its live data (2 cores, small heaps).
+JAVA_OPTS = ["-XX:+UseSerialGC", "-Xmx4g", "-XX:MinHeapFreeRatio=10", "-XX:MaxHeapFreeRatio=30",
+             "--add-opens=java.base/java.util=ALL-UNNAMED"]  # to save and restore scala's Random
 CACHE = Path.home() / ".cache" / "agentic-rl"
 
 
@@ -50,6 +58,67 @@ def _scienceworld():
     return scienceworld
 
 
+class JVM:
+    """This process's ScienceWorld JVM (py4j), shared by its Envs; it stops when the last one closes.
+
+    Memory: ScienceWorldEnv starts a JVM per instance, about 200 MB after a load and 480-720 MB
+    after 100 steps (default heap settings, 23 GB machine): the default run's 128 episode slots
+    would need more than a 24 GB machine has. One simulator in a shared JVM holds about 12 MB: the
+    default run on 4 workers measured 2.5 GB in all (4 JVMs of about 620 MB).
+
+    The engine has two process-wide variables a simulator changes as it plays: the object-id
+    counter, which each load resets (object equality is id equality, so another simulator's load
+    would hand out ids its objects already hold), and scala's global Random (wandering animals,
+    pollination, genes). Each simulator keeps its own copy of both, swapped in around its calls.
+    What still crosses simulators is the JVM's history, as it did for the tasks a reused
+    ScienceWorldEnv plays in turn: e.g. the order a room lists its objects in."""
+
+    current: JVM | None = None
+    starts = 0
+
+    def __init__(self):
+        from py4j.java_gateway import GatewayParameters, JavaGateway, launch_gateway
+
+        constants = _scienceworld().constants
+        port, proc = launch_gateway(classpath=constants.JAR_PATH, cwd=constants.BASEPATH, die_on_exit=True,
+                                    return_proc=True, javaopts=JAVA_OPTS)
+        self.gateway = JavaGateway(gateway_parameters=GatewayParameters(auto_field=True, port=port), java_process=proc)
+        jvm = self.gateway.jvm
+        self.ids = getattr(getattr(jvm.util, "UniqueIdentifier$"), "MODULE$")
+        self.random = getattr(getattr(jvm.scala.util, "Random$"), "MODULE$").self()  # a java.util.Random
+        self.seed = jvm.java.lang.Class.forName("java.util.Random").getDeclaredField("seed")
+        self.seed.setAccessible(True)  # its 48-bit state, read as a number
+        self.users = 0
+        JVM.starts += 1
+
+    @classmethod
+    def acquire(cls) -> JVM:
+        if cls.current is None or cls.current.gateway.java_process.poll() is not None:
+            cls.current = JVM()
+        cls.current.users += 1
+        return cls.current
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users <= 0 and JVM.current is self:
+            JVM.current = None
+            with contextlib.suppress(Exception):  # a JVM that died answers nothing
+                self.gateway.shutdown()
+            self.gateway.java_process.kill()
+            self.gateway.java_process.wait()
+
+    def swapped(self, state: tuple[int, int], call):
+        """call() with the process-wide (id counter, Random seed) set to `state`; returns both after."""
+        getattr(self.ids, "count_$eq")(state[0])
+        self.random.setSeed(state[1] ^ 0x5DEECE66D)  # setSeed(s) sets the state to s ^ 0x5DEECE66D
+        out = call()
+        return out, (self.ids.count(), self.seed.get(self.random))
+
+
+def meta_command(action: str) -> bool:
+    return " ".join(w for w in action.lower().split() if w not in ARTICLES) in META_COMMANDS
+
+
 def parse_task_id(task_id: str) -> tuple[str, int]:
     name, _, variation = task_id.rpartition("-")
     return name, int(variation)
@@ -62,20 +131,23 @@ def task_ids(split: str, **_) -> list[str]:
     return [f"{name}-{v}" for name, splits in variations().items() for v in splits[split]]
 
 
+def task_type(task_id: str) -> str:
+    return parse_task_id(task_id)[0]
+
+
 @lru_cache(maxsize=None)
 def variations() -> dict[str, dict[str, list[int]]]:
     """taskName -> {train, dev, test} variation lists, as the package defines them (cached on disk)."""
-    sw = _scienceworld()
-    path = CACHE / f"sciworld-variations-{sw.__version__}.json"
+    path = CACHE / f"sciworld-variations-{_scienceworld().__version__}.json"
     if path.exists():
         return json.loads(path.read_text())
-    env = sw.ScienceWorldEnv("", envStepLimit=STEP_LIMIT)
+    env = Env()
     try:
-        out = {}
-        for name in env.get_task_names():
-            env.load(name, 0, SIMPLIFICATION)
-            out[name] = {"train": env.get_variations_train(), "dev": env.get_variations_dev(),
-                         "test": env.get_variations_test()}
+        sim, out = env.simulator(), {}
+        for name in sim.getTaskNames():
+            sim.load(name, 0, SIMPLIFICATION, False)
+            out[name] = {"train": list(sim.getVariationsTrain()), "dev": list(sim.getVariationsDev()),
+                         "test": list(sim.getVariationsTest())}
     finally:
         env.close()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -121,56 +193,65 @@ def project_state(state: frozenset, task: str, reference_actions: list[str]) -> 
 class Env:
     def __init__(self, simplification: str = SIMPLIFICATION, **_):
         self.simplification = simplification
-        self._sw = None  # the ScienceWorldEnv (one JVM), started on first use
-        self.jvm_starts = 0
+        self._jvm: JVM | None = None
+        self._sim = None  # this Env's simulator (a PythonInterface in the process's JVM)
+        self._globals = (0, 0)  # its copy of the JVM's id counter and Random seed
         self._gold: dict[str, list[str]] = {}
         self._templates: list[str] = []
         self.task = ""
         self.task_type = ""
 
-    def _engine(self):
-        if self._sw is None:
-            self._sw = _scienceworld().ScienceWorldEnv("", envStepLimit=STEP_LIMIT)
-            self.jvm_starts += 1
-        return self._sw
+    def simulator(self):
+        if self._sim is None or self._jvm.gateway.java_process.poll() is not None:
+            self.close()
+            self._jvm = JVM.acquire()
+            self._sim = self._jvm.gateway.jvm.scienceworld.runtime.pythonapi.PythonInterface()
+        return self._sim
+
+    def _play(self, call):
+        out, self._globals = self._jvm.swapped(self._globals, call)
+        return out
+
+    def _load(self, task_id: str, gold_path: bool) -> None:
+        name, variation = parse_task_id(task_id)
+        sim = self.simulator()
+        error = self._play(lambda: sim.load(name, variation, self.simplification, gold_path))
+        if error:
+            raise RuntimeError(f"ScienceWorld cannot load {task_id}: {error}")
 
     def prepare(self, task_id: str) -> None:
         parse_task_id(task_id)
 
     # ---- reset ----------------------------------------------------------------------------
     def reset(self, task_id: str) -> Step:
-        name, variation = parse_task_id(task_id)
-        sw = self._engine()
-        sw.load(name, variation, self.simplification)
-        observation, info = sw.reset()  # plays "look around"
-        self.task = sw.get_task_description().strip()
-        self.task_type = name
-        self._templates = [t for t in sw.get_possible_actions() if t not in HIDDEN_TEMPLATES]
-        return self._step(observation, info, done=False)
+        self._load(task_id, gold_path=False)  # a fresh load is what ScienceWorldEnv.reset() reloads to
+        self.task = self._sim.getTaskDescription().strip()
+        self.task_type = task_type(task_id)
+        self._templates = [t for t in self._sim.getPossibleActions() if not meta_command(t)]
+        return self.step("look around")  # ScienceWorldEnv.reset's first move
 
     # ---- step -----------------------------------------------------------------------------
     def step(self, action: str) -> Step:
-        # ScienceWorldEnv.step also lists every valid action (~20 of its ~25 ms); we need only
-        # what it computes besides, so ask the simulator directly (same calls, same rules).
-        server = self._sw.server
-        observation = server.step(action)
-        score = int(round(100 * server.getScore()))
-        done = bool(server.getCompleted()) or score < 0
-        info = {"score": score, "look": server.freeActionLook(), "inv": server.freeActionInventory()}
-        return self._step(observation, info, done)
+        """One engine step (the simulator's own calls; ScienceWorldEnv.step also lists every valid
+        action, ~20 of its ~25 ms). A meta command is not sent: the engine's unknown-action reply."""
+        sim = self._sim
 
-    def _step(self, observation: str, info: dict, done: bool) -> Step:
-        score = int(info["score"])
+        def play():
+            observation = "No known action matches that input." if meta_command(action) else sim.step(action)
+            score = int(round(100 * sim.getScore()))
+            return observation, score, bool(sim.getCompleted()), sim.freeActionLook(), sim.freeActionInventory()
+
+        observation, score, completed, look, inv = self._play(play)
         won = score >= 100
         return Step(
             observation=observation.strip(),
             reward=PRESET.success_reward * won,
-            done=bool(done or won),
+            done=completed or score < 0 or won,
             won=won,
             admissible=list(self._templates),
             task=self.task,
             task_type=self.task_type,
-            state=science_state(max(score, 0), info["look"], info["inv"]),
+            state=science_state(max(score, 0), look, inv),
             score=float(max(score, 0)),  # a failed task reads -100 in the engine; as progress it is 0
             info={"raw_score": score},
         )
@@ -180,10 +261,8 @@ class Env:
         """The engine's gold action sequence. Generating it reloads the simulator (a few seconds
         for some tasks), so call it before reset, as the runner does; results are memoised."""
         if task_id not in self._gold:
-            name, variation = parse_task_id(task_id)
-            sw = self._engine()
-            sw.load(name, variation, self.simplification, generateGoldPath=True)
-            self._gold[task_id] = list(sw.get_gold_action_sequence())
+            self._load(task_id, gold_path=True)
+            self._gold[task_id] = list(self._sim.getGoldActionSequence())
         return list(self._gold[task_id])
 
     def demonstration(self, task_id: str) -> list[str]:
@@ -191,9 +270,9 @@ class Env:
         return self.reference_actions(task_id)
 
     def close(self) -> None:
-        if self._sw is not None:
-            self._sw.close()
-            self._sw = None
+        if self._jvm is not None:
+            self._jvm.release()
+        self._jvm, self._sim = None, None
 
 
 # ---- prompt ---------------------------------------------------------------------------------
@@ -235,8 +314,10 @@ def prompt(task, observation, admissible, history, step_count, history_length) -
 
 # ---- parse ----------------------------------------------------------------------------------
 def parse(response: str) -> tuple[str, bool]:
-    """verl-agent's ALFWorld projection (ScienceWorld's parser is case-insensitive)."""
-    return verl_projection(response, tail_chars=30)
+    """verl-agent's ALFWorld projection (ScienceWorld's parser is case-insensitive); an engine
+    meta command (`reset task`, `help`, `objects`) is not a task action: invalid (and not played)."""
+    action, valid = verl_projection(response, tail_chars=30)
+    return action, valid and not meta_command(action)
 
 
 def answer(thought: str, action: str) -> str:

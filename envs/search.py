@@ -94,28 +94,45 @@ def question_of(row: dict, source: str) -> dict:
 
 
 @lru_cache(maxsize=None)
-def questions(root: str, split: str) -> dict[str, list[dict]]:
-    """data source -> its questions, in file order."""
+def questions(root: str, split: str) -> tuple[dict[str, dict[int, dict]], int]:
+    """(data source -> {row in its file: question}, how many were dropped). A question whose gold
+    answers all normalise to "" (`---`, `!!!`, `The The`) is dropped: nothing can match it."""
     path = Path(root)
-    out: dict[str, list[dict]] = {}
+    by_source: dict[str, list[dict]] = {}
     files = [path] if path.is_file() else [path / f"{split}.{ext}" for ext in ("parquet", "jsonl", "json")]
-    for file in files:
-        if file.is_file():
-            for row in read_rows(file):
-                source = source_name(row.get("data_source") or file.stem)
-                out.setdefault(source, []).append(question_of(row, source))
-            return out
-    if split == "test" and (path / "questions").is_dir():
-        for source, rel in FIXTURE.items():
-            out[source] = [question_of(row, source) for row in read_rows(path / "questions" / rel)]
-        return out
-    raise EnvUnavailable(f"no {split} questions under {path}: put Search-R1's {split}.parquet there "
-                         f"(HF dataset PeterJinGo/nq_hotpotqa_train) or pass --env-data QUESTIONS_FILE")
+    for file in [f for f in files if f.is_file()][:1]:
+        for row in read_rows(file):
+            source = source_name(row.get("data_source") or file.stem)
+            by_source.setdefault(source, []).append(question_of(row, source))
+    if not by_source and split == "test" and (path / "questions").is_dir():
+        by_source = {source: [question_of(row, source) for row in read_rows(path / "questions" / rel)]
+                     for source, rel in FIXTURE.items()}
+    if not by_source:
+        raise EnvUnavailable(f"no {split} questions under {path}: put Search-R1's {split}.parquet there "
+                             f"(HF dataset PeterJinGo/nq_hotpotqa_train) or pass --env-data QUESTIONS_FILE")
+    kept = {source: {i: q for i, q in enumerate(rows) if any(normalize_answer(a) for a in q["answers"])}
+            for source, rows in by_source.items()}
+    return kept, sum(map(len, by_source.values())) - sum(map(len, kept.values()))
 
 
 def task_ids(split: str, data: str | None = None, **_) -> list[str]:
-    by_source = questions(str(data_root(data)), split)
-    return [f"{split}/{source}/{i}" for source, rows in by_source.items() for i in range(len(rows))]
+    root = str(data_root(data))
+    by_source, dropped = questions(root, split)
+    ids = [f"{split}/{source}/{i}" for source, rows in by_source.items() for i in rows]
+    report_dropped(root if Path(root).is_file() else f"{root} ({split})", len(ids), dropped)
+    return ids
+
+
+def task_type(task_id: str) -> str:
+    return task_id.split("/")[1]  # the data source: success is logged per source
+
+
+@lru_cache(maxsize=None)
+def report_dropped(where: str, kept: int, dropped: int) -> None:
+    """Said once per question set and process (the trainer lists a split's tasks more than once)."""
+    if dropped:
+        print(f"search: dropped {dropped} of {kept + dropped} questions of {where}: their gold answers "
+              f"all normalise to an empty string, so no answer can match them")
 
 
 @lru_cache(maxsize=None)
@@ -160,7 +177,10 @@ def normalize_answer(text: str) -> str:
 
 
 def exact_match(prediction: str, answers: list[str]) -> bool:
-    return any(normalize_answer(prediction) == normalize_answer(a) for a in answers)
+    """Search-R1's EM, except that an empty normalised prediction never matches: with an answer
+    that normalises to "" (`*`, `---`), `<answer>the</answer>` would otherwise score 1."""
+    guess = normalize_answer(prediction)
+    return bool(guess) and any(guess == normalize_answer(a) for a in answers)
 
 
 # ---- retrieval client ---------------------------------------------------------------------
@@ -194,7 +214,7 @@ class Env:
 
     def _question(self, task_id: str) -> dict:
         split, source, index = task_id.split("/")
-        return questions(str(self.root), split)[source][int(index)]
+        return questions(str(self.root), split)[0][source][int(index)]
 
     def prepare(self, task_id: str) -> None:
         self._question(task_id)

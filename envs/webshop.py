@@ -67,6 +67,10 @@ def task_ids(split: str, data: str | None = None, **_) -> list[str]:
     raise ValueError(f"webshop splits are ['train', 'test'], not {split!r}")
 
 
+def task_type(task_id: str) -> str:
+    return "webshop"  # synthetic goals have no types
+
+
 # ---- observation formatting (verl-agent's WebshopEnvironmentManager) -------------------------
 def task_of(raw_observation: str) -> str:
     """'WebShop [SEP] Instruction: [SEP] <goal> [SEP] Search' -> '<goal>'"""

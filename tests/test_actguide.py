@@ -3,6 +3,8 @@ evaluation without guidance, and the script end to end (selective and always, ex
 
 import contextlib
 import copy
+import itertools
+import statistics
 
 import numpy as np
 import pytest
@@ -129,6 +131,37 @@ def test_replacement_swaps_whole_groups_and_never_mixes_them():
         assert len({bool(e.hint) for e in out if e.group == g}) == 1  # all guided or all unguided
 
 
+# ---- the iteration's algorithm: training_batch, as the main loop calls it ------------------------------
+_ids = itertools.count(100)
+
+
+def rolled(group: int, won: bool, valid: list[bool], hint=()) -> actguide.Episode:
+    """An episode as the rollout leaves it: with a hint, each turn's prompt holds g_k and its unguided
+    prompt does not (made-up ids: [k, 7] guided, [k] unguided); without one they are the same."""
+    e = actguide.Episode(f"task-{group}", group, won=won, hint=list(hint))
+    for ok in valid:
+        k = next(_ids)
+        e.turns.append(actguide.Turn([k, 7] if hint else [k], [k], "go", ok, "obs", None))
+        e.unguided_prompts.append([k])
+    return e
+
+
+def test_training_batch_trains_guided_groups_on_their_own_baseline_with_their_unguided_prompts():
+    episodes = [rolled(0, True, [True, False]), rolled(0, False, [True]),  # an easy group, unguided
+                rolled(1, True, [True, True], hint=["a", "b"]), rolled(1, False, [False, True], hint=["a", "b"]),
+                rolled(2, False, [True], hint=["c"]), rolled(2, False, [True, True], hint=["c"])]  # still all failed
+    prompts, responses, advantages, unguided, metrics = actguide.training_batch(episodes, small_args())
+    groups = [[10, 9.9, 0], [10, 10, -0.1, 0], [0, 0, 0]]
+    expected = [(s - statistics.mean(g)) / (statistics.stdev(g) + 1e-6) for g in groups for s in g]
+    assert advantages.tolist() == pytest.approx(expected, rel=1e-9)
+    # the guided group: mean 19.9 / 4 = 4.975, unbiased var 101.0075 / 3, std 5.8025: it is trained, not zeroed
+    assert advantages[3:7].tolist() == pytest.approx([0.8660, 0.8660, -0.8746, -0.8574], abs=1e-4)
+    turns = [t for e in episodes for t in e.turns]
+    assert prompts == [t.prompt_ids for t in turns] and responses == [t.response_ids for t in turns]
+    assert unguided == [[t.prompt_ids[0]] for t in turns]  # each sample's own turn, without g_k
+    assert [p != u for p, u in zip(prompts, unguided)] == [False] * 3 + [True] * 7
+
+
 # ---- the rollout side on real cooking games -------------------------------------------------
 def test_fixed_k_reroll_uses_the_walkthrough_prefix_and_keeps_the_unguided_prompts(tiny_model, cooking_spec):
     tokenizer, _, generate, _ = tiny_generate(tiny_model)
@@ -156,7 +189,7 @@ def test_evaluation_prompts_carry_no_hint(tiny_model, cooking_spec):
     args = small_args(guidance="always", fixed_k=3)
     runner = envs.EnvRunner(cooking_spec, 1)
     try:
-        metrics = actguide.evaluate(cooking_spec, runner, tokenizer, generate, args, [TASK], 0, 1)
+        metrics = actguide.evaluate(cooking_spec, runner, tokenizer, generate, args, {"train": [TASK]}, 0, 1)
     finally:
         runner.close()
     assert "eval/success_rate" in metrics and len(seen) >= 1

@@ -31,3 +31,20 @@ def test_grpo_has_the_functions_methods_build_on():
     names = set(top_level_sources(REPO / "grpo.py"))
     for name in ["Args", "rollout", "step_scores", "grpo_advantages", "update_policy", "ppo_clip_loss", "evaluate", "save_checkpoint"]:
         assert name in names
+
+
+ENV_GUARDS = ["        print(spec.probe(train_tasks))  # one env started now: a broken env stops the run before the model loads",
+              "            if crashed := envs.most_crashed([e.crashed for e in episodes]):",
+              "                fail(crashed)"]
+
+
+@pytest.mark.parametrize("script", ["grpo.py", *METHODS])
+def test_every_script_probes_its_env_and_stops_when_most_episodes_crash(script):
+    """grpo.py's and sft.py's behaviour is tested end to end (tests/test_env_search.py, tests/test_sft.py);
+    every RL script runs grpo.py's lines; sft.py, which has no rollout, stops on its demonstration replay."""
+    main = (REPO / script).read_text().split('if __name__ == "__main__":')[1].splitlines()
+    if script == "sft.py":
+        assert ENV_GUARDS[0] in main and any("envs.most_crashed(" in line for line in main)
+    else:
+        assert all(line in main for line in ENV_GUARDS)
+    assert main.index(ENV_GUARDS[0]) < min(i for i, line in enumerate(main) if "load_policy(" in line)

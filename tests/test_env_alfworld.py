@@ -54,7 +54,7 @@ def sample_games() -> list[str]:
         return games
     first = {}
     for game in games:
-        first.setdefault((game.split("/")[0], alfworld.task_type_of(game)), game)
+        first.setdefault((game.split("/")[0], alfworld.task_type(game)), game)
     return sorted(first.values())
 
 
@@ -66,7 +66,7 @@ def test_eval_splits_hold_the_readme_task_type_counts():
                 "eval_out_of_distribution": dict(zip(types, [18, 24, 31, 21, 23, 17]))}
     for split, counts in expected.items():
         ids = alfworld.task_ids(split, data=str(DATA))
-        assert Counter(alfworld.task_type_of(t) for t in ids) == counts
+        assert Counter(alfworld.task_type(t) for t in ids) == counts
         assert len(ids) == sum(counts.values())
 
 
@@ -80,7 +80,7 @@ def test_missing_data_names_the_download_command(tmp_path):
 def test_walkthrough_wins_through_the_adapter(env, game):
     plan = env.reference_actions(game)
     step = env.reset(game)
-    assert step.task_type == alfworld.task_type_of(game) and not step.done
+    assert step.task_type == alfworld.task_type(game) and not step.done
     for k, action in enumerate(plan):
         assert not step.done, f"ended early at step {k}"
         step = env.step(action)
@@ -152,7 +152,7 @@ def test_runner_plays_games_in_worker_processes():
     with envs.EnvRunner(spec, num_workers=2) as runner:
         plans = runner.reference_actions(games)
         steps = runner.reset(games)
-        assert [s.task_type for s in steps] == [alfworld.task_type_of(g) for g in games]
+        assert [s.task_type for s in steps] == [alfworld.task_type(g) for g in games]
         for t in range(max(map(len, plans))):
             for i, step in runner.step({i: p[t] for i, p in enumerate(plans) if t < len(p)}).items():
                 steps[i] = step
@@ -207,3 +207,40 @@ def test_grpo_trains_one_iteration_on_alfworld(tiny_model, tmp_path):
     assert [r["iteration"] for r in rows] == [0, 1]
     assert "eval/success_rate" in rows[0] and "charts/success_rate" in rows[1]
     assert 4 <= rows[1]["tokens/samples"] <= 8  # 2 tasks x 2 episodes x 1..2 steps
+    for row in rows:  # the seen and the unseen games, each logged on its own
+        assert {"eval/eval_in_distribution/success_rate", "eval/eval_out_of_distribution/success_rate"} <= set(row)
+
+
+def test_evaluation_plays_both_eval_splits_and_logs_each_apart(tiny_model):
+    """The preset evaluates valid_seen and valid_unseen; evaluate() reports every split on its own (a fixed
+    answer plays one `look` per game)."""
+    from transformers import AutoTokenizer
+
+    import grpo
+    import sft
+
+    spec = envs.load("alfworld", data=str(DATA))
+    assert spec.preset.eval_split.split(",") == ["eval_in_distribution", "eval_out_of_distribution"]
+    unseen = next(t for t in alfworld.task_ids("eval_out_of_distribution", data=str(DATA))
+                  if alfworld.task_type(t) == "look_at_obj_in_light")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    answer = tokenizer("<think>x</think><action>look</action>", add_special_tokens=False)["input_ids"]
+    args = grpo.Args(max_steps=1, history_length=2, max_prompt_tokens=4096, success_reward=10.0, invalid_penalty=0.1)
+    eval_tasks = {"eval_in_distribution": [MUG, SOAP], "eval_out_of_distribution": [unseen]}
+    with envs.EnvRunner(spec, 1) as runner:
+        metrics = grpo.evaluate(spec, runner, tokenizer, lambda prompts, temperature: [answer for _ in prompts], args,
+                                eval_tasks, 0, 1)
+        warm = sft.evaluate_warm_start(spec, runner, tokenizer, lambda prompts, temperature: [answer for _ in prompts],
+                                       sft.Args(max_steps=1, history_length=2, max_prompt_tokens=4096, success_reward=10.0,
+                                                invalid_penalty=0.1), eval_tasks, 0, 1)
+    for prefix in ("eval", "eval_sampling"):  # sft.py logs both splits apart too, at both of its temperatures
+        assert warm[f"{prefix}/eval_in_distribution/success_rate_pick_and_place_simple"] == 0.0
+        assert warm[f"{prefix}/eval_out_of_distribution/success_rate_look_at_obj_in_light"] == 0.0
+        assert warm[f"{prefix}/eval_out_of_distribution/episode_length"] == 1.0
+    assert metrics["eval/success_rate"] == 0.0 and metrics["eval/episode_length"] == 1.0
+    assert metrics["eval/invalid_action_rate"] == 0.0  # every game played its `look`
+    seen_types = {k for k in metrics if k.startswith("eval/eval_in_distribution/success_rate_")}
+    unseen_types = {k for k in metrics if k.startswith("eval/eval_out_of_distribution/success_rate_")}
+    assert seen_types == {"eval/eval_in_distribution/success_rate_pick_and_place_simple"}
+    assert unseen_types == {"eval/eval_out_of_distribution/success_rate_look_at_obj_in_light"}
+    assert {"eval/success_rate_pick_and_place_simple", "eval/success_rate_look_at_obj_in_light"} <= set(metrics)

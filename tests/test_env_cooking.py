@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -23,6 +24,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         ("<THINK>a</THINK><action>look</action>", ("look", False)),  # the think tags are case-sensitive
         ("no tags at all, just chatter about the kitchen and more", ("ter about the kitchen and more", False)),
         ("", ("", False)),
+        # malformed tag structure (verl-agent accepts these): the tail is sent, invalid
+        ("<think>x</think></action>examine egg<action>", ("k></action>examine egg<action>", False)),
+        ("<think>x</think><action><action>take egg</action>", ("tion><action>take egg</action>", False)),
+        ("<think>x</think><action>look</action><action>eat meal</action>", ("tion><action>eat meal</action>", False)),
+        ("</think>x<think><action>look</action>", ("look", False)),  # think tags reversed
+        ("<think>a</think><think>b</think><action>look</action>", ("look", True)),  # two thoughts are fine
     ],
 )
 def test_verl_projection(response, expected):
@@ -150,11 +157,69 @@ def test_runner_survives_a_killed_worker():
         assert [o.crashed for o in again] == [False] * 4
 
 
+def test_runner_restarts_a_frozen_worker_after_its_timeout():
+    spec = envs.load("cooking")
+    with envs.EnvRunner(spec, num_workers=2) as runner:
+        runner.reset(["train-easy-0"] * 4)  # workers start and import under the default timeout
+        runner.timeout_s = 3.0
+        os.kill(runner._procs[1].pid, signal.SIGSTOP)  # a real freeze: the worker lives but never answers
+        start = time.monotonic()
+        out = runner.step({i: "look" for i in range(4)})
+        waited = time.monotonic() - start
+        assert [out[i].crashed for i in range(4)] == [False, True, False, True]
+        assert out[1].done and not out[1].won and out[1].task_type == "easy"
+        assert 3.0 <= waited < 15.0 and runner.crashes == 1  # one timeout, not one per episode
+        again = runner.reset(["train-easy-1"] * 4)
+        assert [o.crashed for o in again] == [False] * 4
+
+
+def test_runner_timeout_is_per_env_call_not_per_batch():
+    """64 resets on one worker take longer than the timeout together, each far less: none is cut."""
+    spec = envs.load("cooking")
+    with envs.EnvRunner(spec, num_workers=1) as runner:
+        runner.reset(["train-easy-0"])  # worker start and imports, under the default timeout
+        start = time.monotonic()
+        runner.reset(["train-easy-0"])
+        runner.timeout_s = max(1.0, 8 * (time.monotonic() - start))
+        start = time.monotonic()
+        steps = runner.reset(["train-easy-0"] * 64)
+        assert time.monotonic() - start > runner.timeout_s  # the batch outlasts the timeout...
+        assert [s.crashed for s in steps] == [False] * 64 and runner.crashes == 0  # ...and is not cut
+
+
+def test_a_slow_build_gets_the_setup_timeout_not_the_step_timeout(tmp_path):
+    """Compiling a game takes seconds (4.6 s CPU measured): `reference` and `prepare` calls are timed
+    by SETUP_TIMEOUT_S, so a short reset/step timeout does not cut them."""
+    spec = envs.load("cooking", data=str(tmp_path))  # an empty game cache: the game is compiled now
+    with envs.EnvRunner(spec, num_workers=1, timeout_s=0.5) as runner:
+        (plan,) = runner.reference_actions(["train-easy-5"])
+        assert plan and plan[-1] == "eat meal" and runner.crashes == 0
+    assert (tmp_path / "train-easy-5.z8").exists()
+
+
 def test_env_check_command_replays_and_exits_zero():
     out = subprocess.run([sys.executable, "-m", "envs", "check", "--env", "cooking", "--split", "train", "--num-tasks", "3"],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "3/3 won" in out.stdout and "train-easy-0: 5/5 reference steps, won" in out.stdout
+
+
+def test_probe_starts_one_env_and_turns_any_failure_into_one_line(tmp_path):
+    line = envs.load("cooking").probe(["train-easy-0", "train-cut-0"])
+    assert line.startswith("env cooking: started train-easy-0 in ") and line.endswith("s (2 tasks)")
+    not_a_folder = tmp_path / "games.txt"
+    not_a_folder.write_text("")
+    with pytest.raises(envs.EnvUnavailable, match=r"^env cooking cannot start task train-easy-0: FileExistsError: "):
+        envs.load("cooking", data=str(not_a_folder)).probe(["train-easy-0"])
+    with pytest.raises(envs.EnvUnavailable, match="has no training tasks"):
+        envs.load("cooking").probe([])
+
+
+def test_most_crashed_stops_a_run_only_past_half():
+    assert envs.most_crashed([True, True, False, False]) is None
+    assert envs.most_crashed([True, True, True, False]) == (
+        "3 of 4 episodes of this iteration crashed (see the warnings above): the env is failing; "
+        "stopping rather than training on them")
 
 
 def test_unknown_env_is_a_clear_error():

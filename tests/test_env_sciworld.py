@@ -61,13 +61,94 @@ def test_gold_path_wins(env, name):
     assert scores == sorted(scores)  # the gold path never loses progress
 
 
-def test_one_jvm_serves_every_episode(env):
+def test_envs_of_a_process_share_one_jvm(env):
     env.reset("find-plant-225")
-    pid = env._sw._gateway.java_process.pid
-    env.reset("lifespan-shortest-lived-93")
-    env.reset("find-plant-226")
-    assert env._sw._gateway.java_process.pid == pid
-    assert env.jvm_starts == 1
+    starts = sciworld.JVM.starts
+    a, b = sciworld.Env(), sciworld.Env()
+    a.reset("lifespan-shortest-lived-93")
+    b.reset("find-plant-226")
+    assert a._jvm is b._jvm is env._jvm and sciworld.JVM.starts == starts  # no JVM per Env
+    a.close()
+    b.close()
+    assert env._jvm.gateway.java_process.poll() is None  # still serving `env`
+    assert env.step("look around").observation.startswith("This room is called the")
+
+
+def test_new_objects_get_fresh_ids_when_another_simulator_loaded_in_between():
+    """Loading a task resets the JVM's object-id counter; object equality is id equality. Without
+    each simulator's own counter, the 4 objects grow-fruit-1 makes on its first `wait1` took the ids
+    of 4 objects it already had (147 objects, not 151, hand-checked in ScienceWorld's object table)."""
+    a, b = sciworld.Env(), sciworld.Env()
+    try:
+        a.reset("grow-fruit-1")  # ids up to 17613
+        b.reset("find-animal-3")  # sets the JVM's counter to 17601
+        a.step("wait1")
+        ids = [int(i) for i in json.loads(a._sim.getAllObjectIdsTypesReferentsLUTJSON())]
+        assert len(ids) == 151 and max(ids) == 17625
+    finally:
+        a.close()
+        b.close()
+
+
+def test_each_simulator_draws_from_its_own_random_state(env):
+    env.reset("find-plant-225")  # holds the JVM
+    jvm = env._jvm
+    state_42 = (42 ^ 0x5DEECE66D) & (2**48 - 1)  # java.util.Random(42)'s internal state
+    expected = jvm.gateway.jvm.java.util.Random(42).nextInt(1000)
+    draw, _ = jvm.swapped((0, state_42), lambda: jvm.random.nextInt(1000))
+    sciworld.Env().reset("boil-1")  # another simulator's load reseeds the JVM's Random
+    jvm.random.nextInt(1000)
+    again, after = jvm.swapped((0, state_42), lambda: jvm.random.nextInt(1000))
+    assert draw == again == expected and after[1] != state_42
+
+
+def test_a_simulator_whose_jvm_died_gets_a_new_one_at_reset(env):
+    env.reset("find-plant-225")
+    old = env._jvm.gateway.java_process
+    old.kill()
+    old.wait()
+    with pytest.raises(Exception):
+        env.step("look around")
+    step = env.reset("find-plant-225")
+    assert env._jvm.gateway.java_process.pid != old.pid and step.observation.startswith("This room is called the")
+
+
+def java_children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid and "java" in stat.with_name("comm").read_text():
+                out.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def test_runner_workers_run_one_jvm_each_for_all_their_episodes():
+    import envs
+
+    with envs.EnvRunner(envs.load("sciworld"), num_workers=2) as runner:
+        steps = runner.reset(["find-plant-225"] * 4 + ["boil-1"] * 4)
+        runner.step({i: "look around" for i in range(8)})
+        assert not any(s.crashed for s in steps)
+        assert [len(java_children(p.pid)) for p in runner._procs] == [1, 1]  # not one per episode
+
+
+def test_meta_commands_are_invalid_and_change_nothing(env):
+    """`reset task` wiped a run's progress (75 -> 17); `help` and `objects` list every template and
+    object. The engine ignores articles and case: each spelling below is a meta command to it."""
+    env.reset("use-thermometer-405")
+    for action in ["go to kitchen", "pick up thermometer", "focus on thermometer"]:
+        before = env.step(action)
+    assert before.score > 0
+    for command in ["reset task", "Reset the Task", "  reset   a task ", "help", "objects", "the objects"]:
+        step = env.step(command)
+        assert step.observation == "No known action matches that input."
+        assert step.score == before.score and step.state == before.state and not step.done
+        assert sciworld.parse(f"<think>x</think><action>{command}</action>")[1] is False
+    assert sciworld.parse("<think>x</think><action>task</action>") == ("task", True)  # a listed template
+    assert env.step("look around").score == before.score
 
 
 def test_state_tracks_score_room_and_inventory(env):

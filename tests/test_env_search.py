@@ -7,6 +7,7 @@ loopback port in a subprocess, and stopped at the end.
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -93,6 +94,20 @@ def test_em_normalisation_on_tricky_answers():
     assert not em("theater", ["ater"])                  # only whole-word articles go
     assert not em("Röntgen", ["Wilhelm Conrad Röntgen"])  # exact, not substring
     assert not em("Richard Nixon", ["james madison"])
+    assert not em("", ["---"]) and not em("the", ["The The"]) and not em("!!!", ["!!!"])  # "" never matches ""
+    assert not em("a", ["rotationally symmetric saltire", "*"]) and em("the symbol ×", ["symbol ×", "*"])
+
+
+def test_empty_answer_does_not_win_a_question_with_a_punctuation_gold_answer(server):
+    url, _ = server
+    env = search.Env(data=str(DATA), url=url)
+    step = env.reset("test/nq/452")  # gold answers: 'a rotationally symmetric saltire', 'the symbol ×', '*'
+    assert env.answers[-1] == "*" and step.task == "what is the multiplication sign on the computer"
+    for empty in ["<answer></answer>", "<answer>the</answer>", "<answer> *!? </answer>"]:
+        env.reset("test/nq/452")
+        assert not env.step(empty).won
+    env.reset("test/nq/452")
+    assert env.step("<answer>The symbol ×</answer>").won
 
 
 def test_search_r1_rollouts_parse_to_their_queries_and_answers():
@@ -125,6 +140,8 @@ def test_projection_follows_verl_agent():
     assert parse("<search>a</search><answer>b</answer>") == ("<search>a</search>", False)  # both kinds
     assert parse("<search>a</search><search>b</search>") == ("<search>a</search>", False)  # twice
     assert parse("I think it is Paris.") == ("", False)
+    assert parse("<think>x</think></search>q<search>") == ("", False)  # reversed tags: no block at all
+    assert parse("<answer><answer>Paris</answer>") == ("<answer><answer>Paris</answer>", False)  # nested: a tag twice
 
 
 def test_episode_rewards_exact_match(server):
@@ -163,14 +180,22 @@ def test_reference_actions_are_a_successful_rollouts_searches_never_its_answer()
     assert env.reference_actions("test/bamboogle/8") == ["<search>Can people who have celiac eat camel meat</search>"]
 
 
-def test_test_split_names_the_seven_sources():
+def test_test_split_names_the_seven_sources(capsys):
     pytest.importorskip("pyarrow", reason="the 2WikiMultihopQA questions are parquet: pip install pyarrow")
+    search.report_dropped.cache_clear()
     ids = search.task_ids("test", data=str(DATA))
     counts = {}
     for task_id in ids:
         counts[task_id.split("/")[1]] = counts.get(task_id.split("/")[1], 0) + 1
-    assert counts == {"nq": 1000, "triviaqa": 1000, "popqa": 1000, "hotpotqa": 7405, "2wikimultihopqa": 12576,
-                      "musique": 2417, "bamboogle": 125}  # shared/data/README.md
+    # shared/data/README.md's counts, less 2 NQ and 2 HotpotQA questions that no answer can match
+    assert counts == {"nq": 998, "triviaqa": 1000, "popqa": 1000, "hotpotqa": 7403, "2wikimultihopqa": 12576,
+                      "musique": 2417, "bamboogle": 125}
+    assert search.task_ids("test", data=str(DATA)) == ids  # listed twice (train and eval), reported once
+    assert capsys.readouterr().out == (f"search: dropped 4 of 25523 questions of {DATA} (test): their gold answers "
+                                       "all normalise to an empty string, so no answer can match them\n")
+    # the four, found by hand: NQ '---' and ')', HotpotQA 'The The' and '!!!'; ids keep their file rows
+    assert {"test/nq/493", "test/nq/710", "test/hotpotqa/3667", "test/hotpotqa/5470"}.isdisjoint(ids)
+    assert {"test/nq/492", "test/nq/494", "test/nq/999", "test/hotpotqa/7404"} <= set(ids)
     nq_open = search.read_rows(DATA / "questions" / "verl_format" / "nq_test.jsonl")[0]
     assert search.question_of(nq_open, "nq") == {"question": "when was the last time anyone was on the moon",
                                                  "answers": ["14 December 1972 UTC", "December 1972"], "source": "nq"}
@@ -181,6 +206,62 @@ def test_dead_server_gives_a_clear_error():
     env = search.Env(data=str(DATA), url=url)
     with pytest.raises(envs.EnvUnavailable, match=re.escape(url) + r".*python -m envs\.search serve"):
         env.reset("test/bamboogle/0")
+
+
+def test_episode_that_fails_at_reset_is_logged_under_its_task_type():
+    spec = envs.load("search", data=str(DATA), url=f"http://127.0.0.1:{free_port()}/retrieve")  # nothing listens
+    with envs.EnvRunner(spec, num_workers=1) as runner:
+        steps = runner.reset(["test/bamboogle/0", "test/popqa/3"])
+    assert [s.crashed for s in steps] == [True, True] and "is not answering" in steps[0].observation
+    assert [s.task_type for s in steps] == ["bamboogle", "popqa"]  # was "": a `success_rate_` metric key
+
+
+QUESTIONS = DATA / "questions" / "flashrag_format" / "flashrag_quickstart_nq_test.jsonl"  # 17 NQ questions
+TINY_RUN = ["--env", "search", "--env-data", str(QUESTIONS), "--num-tasks", "2", "--group-size", "2", "--max-steps", "2",
+            "--max-new-tokens", "8", "--num-eval-tasks", "2", "--num-env-workers", "2", "--minibatch-size", "4",
+            "--no-gradient-checkpointing", "--total-iterations", "2"]
+
+
+def test_dead_search_server_stops_the_run_before_the_model_loads(tiny_model, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}/retrieve"
+    out = subprocess.run([sys.executable, "grpo.py", "--model", tiny_model, *TINY_RUN, "--search-url", url,
+                          "--output-dir", str(tmp_path / "runs")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(f"error: retrieval server {url} is not answering (")
+    assert out.stderr.strip().endswith("start one: python -m envs.search serve --corpus FILE --port 8000")
+    assert not (tmp_path / "runs").exists()  # no run directory, no checkpoint
+
+
+def test_run_stops_when_most_episodes_of_an_iteration_crash(tiny_model, tmp_path):
+    """The server answers the probe, then dies: every episode crashes; the run stops at iteration 1
+    with one line instead of training on them and saving a checkpoint."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "envs.search", "serve", "--corpus", str(CORPUS), "--port", str(port)],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert "serving" in server.stdout.readline()
+    run = subprocess.Popen([sys.executable, "grpo.py", "--model", tiny_model, *TINY_RUN, "--eval-every", "1",
+                            "--search-url", f"http://127.0.0.1:{port}/retrieve", "--output-dir", str(tmp_path / "runs")],
+                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        for line in run.stdout:
+            if line.startswith("env search: started"):
+                break
+        server.terminate()
+        server.wait(timeout=30)
+        stdout, stderr = run.communicate(timeout=900)
+    finally:
+        server.kill()
+        run.kill()
+    assert line.startswith("env search: started train/nq/0 in ") and line.rstrip().endswith("s (17 tasks)")
+    assert run.returncode == 2 and "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == ("error: 4 of 4 episodes of this iteration crashed (see the warnings "
+                                               "above): the env is failing; stopping rather than training on them")
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0]  # the first evaluation, then no update and no iteration logged
+    assert rows[0]["eval/env_crashes"] == 2 and "eval/success_rate_nq" in rows[0] and "eval/success_rate_" not in rows[0]
+    assert not [p for p in run_dir.iterdir() if p.name.startswith("checkpoint")]
 
 
 def test_check_command_passes_with_gold_answers(server, capsys):

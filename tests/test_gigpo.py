@@ -2,6 +2,8 @@
 cooking game; `--step-advantage-w 0` is grpo.py; 2 iterations end to end through the CLI."""
 
 import math
+import statistics
+from collections import defaultdict
 
 import numpy as np
 import pytest
@@ -161,6 +163,87 @@ def test_anchor_group_stats_count_steps_in_singleton_groups():
     assert stats["gigpo/step_adv_nonzero_frac"] == pytest.approx(5 / 9)
     assert stats["gigpo/step_adv_abs_mean"] == pytest.approx(3.4 / 9)  # (1 + 0.5 + 0.5 + 0.7 + 0.7) / 9
     assert stats["gigpo/step_return_mean"] == 4.0  # (0 + 1 + ... + 8) / 9
+
+
+# ---- the iteration's algorithm: training_batch, as the main loop calls it ------------------------------
+@pytest.fixture(scope="module")
+def two_tasks():
+    """Real episodes of two cooking games, actions chosen by hand. Task group 0 (train-easy-0): the
+    walkthrough won (W); the walkthrough with a malformed `dance` as its 3rd step, won in 6 steps (WI);
+    `inventory`, malformed `dance`, `look`, lost (L). Task group 1 (train-easy-1): its walkthrough won,
+    and `inventory` twice, lost."""
+    from envs import cooking
+
+    env = cooking.Env()
+
+    def play(task, actions, valid, group):
+        episode = gigpo.Episode(task, group)
+        step = env.reset(task)
+        for action, ok in zip(actions, valid):
+            k = len(episode.turns)
+            episode.turns.append(gigpo.Turn([group, k], [k], action, ok, step.observation, step.state))
+            step = env.step(action)
+        episode.won = step.won
+        return episode
+
+    try:
+        plan_a, plan_b = env.reference_actions("train-easy-0"), env.reference_actions("train-easy-1")
+        episodes = [
+            play("train-easy-0", plan_a, [True] * 5, 0),
+            play("train-easy-0", plan_a[:2] + ["dance"] + plan_a[2:], [True, True, False, True, True, True], 0),
+            play("train-easy-0", ["inventory", "dance", "look"], [True, False, True], 0),
+            play("train-easy-1", plan_b, [True] * 5, 1),
+            play("train-easy-1", ["inventory", "inventory"], [True, True], 1),
+        ]
+    finally:
+        env.close()
+    assert [e.won for e in episodes] == [True, True, False, True, False]
+    return episodes
+
+
+def normalised(values: list[float], norm: str) -> list[float]:
+    """mean_std: (v - mean) / (unbiased std + 1e-6); mean: v - mean; a lone value is its own mean."""
+    if len(values) == 1:
+        return [0.0]
+    mean = statistics.mean(values)
+    return [(v - mean) / (statistics.stdev(values) + 1e-6) if norm == "mean_std" else v - mean for v in values]
+
+
+def gigpo_by_hand(episodes, gamma, w, step_norm, episode_norm):
+    """A = A^E + w A^S written out: s = 10 won - 0.1 invalid over each task group (a lone sample keeps
+    s); G~_t = 10 gamma^(T-1-t) won - 0.1 invalid_t over the steps that saw the same observation in
+    the same task group."""
+    scores, returns, anchors = defaultdict(list), defaultdict(list), defaultdict(list)
+    for i, e in enumerate(episodes):
+        for t, turn in enumerate(e.turns):
+            penalty = 0.1 * (not turn.valid)
+            scores[e.group].append(((i, t), 10.0 * e.won - penalty))
+            step_return = 10.0 * gamma ** (len(e.turns) - 1 - t) * e.won - penalty
+            anchors[(e.group, turn.observation)].append(((i, t), step_return))
+    episode_level, step_level = {}, {}
+    for members in scores.values():
+        episode_level.update(zip([k for k, _ in members], normalised([v for _, v in members], episode_norm)))
+    for members in anchors.values():
+        step_level.update(zip([k for k, _ in members], normalised([v for _, v in members], step_norm)))
+    keys = [(i, t) for i, e in enumerate(episodes) for t in range(len(e.turns))]
+    return [episode_level[k] + w * step_level[k] for k in keys], [step_level[k] for k in keys]
+
+
+@pytest.mark.parametrize("step_norm, episode_norm, w", [("mean_std", "mean_std", 1.0), ("mean", "mean", 0.5),
+                                                        ("mean_std", "mean", 1.0)])
+def test_training_batch_gives_each_step_its_episode_and_anchor_advantage(two_tasks, step_norm, episode_norm, w):
+    args = gigpo.Args(success_reward=10.0, invalid_penalty=0.1, gamma=0.95, step_advantage_w=w, step_norm=step_norm,
+                      episode_norm=episode_norm)
+    prompts, responses, advantages, metrics = gigpo.training_batch(two_tasks, args)
+    expected, step_level = gigpo_by_hand(two_tasks, 0.95, w, step_norm, episode_norm)
+    assert advantages.tolist() == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    turns = [t for e in two_tasks for t in e.turns]
+    assert prompts == [t.prompt_ids for t in turns] and responses == [t.response_ids for t in turns]
+    # anchor groups, task 0: start (W, WI, L), "carrying nothing" (W, WI, L), cookbook (W, WI), "not a verb"
+    # (WI, L), after the take and after prepare (W, WI); task 1: start and "carrying nothing" (2 each), and
+    # the walkthrough's last 3 observations alone: 11 groups, 3 of the 21 samples in singletons
+    assert metrics["gigpo/anchor_groups"] == 11 and metrics["gigpo/singleton_step_frac"] == pytest.approx(3 / 21)
+    assert metrics["gigpo/step_adv_nonzero_frac"] == pytest.approx(np.mean(np.abs(step_level) > 1e-8))
 
 
 def test_two_iterations_on_cooking_log_anchor_groups(tiny_model, tmp_path):

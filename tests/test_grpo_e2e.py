@@ -80,6 +80,7 @@ def test_two_iterations_checkpoint_and_exact_resume(tiny_model, tmp_path):
     [
         (["--env", "nope"], "unknown env 'nope'"),
         (["--group-size", "1"], "--group-size must be at least 2"),
+        (["--temperature", "0"], "--temperature must be positive"),
         (["--model", "./no/such/model"], "model path ./no/such/model does not exist"),
         (["--resume", "/tmp"], "no checkpoint there"),
         (["--env", "alfworld", "--env-data", "/nonexistent"], "run `alfworld-download`"),

@@ -1,6 +1,11 @@
-"""grpo.py's formulas against numbers computed by hand."""
+"""grpo.py's formulas against numbers computed by hand; the iteration's algorithm (training_batch) and
+the update (update_policy) through the code the script runs, against independent computations."""
 
+import copy
+import importlib
+import itertools
 import math
+import statistics
 
 import numpy as np
 import pytest
@@ -154,6 +159,156 @@ def test_old_logprobs_are_the_weights_before_the_first_step_for_every_minibatch(
     assert moved > 1e-3  # the steps are large enough that a ratio of 1 in the second minibatch would show
     for (name, a), b in zip(model.named_parameters(), by_hand.parameters()):
         assert torch.allclose(a, b, atol=1e-6), name
+
+
+# ---- the iteration's algorithm: training_batch, as the main loop calls it ------------------------------
+_ids = itertools.count(100)
+
+
+def hand_episode(task_id: str, group: int, won: bool, valid: list[bool]) -> grpo.Episode:
+    """An episode as rollout leaves it; every turn gets its own prompt and response ids."""
+    episode = grpo.Episode(task_id, group, won=won)
+    for ok in valid:
+        k = next(_ids)
+        episode.turns.append(grpo.Turn([k, k], [k], "look" if ok else "lo", ok, f"obs {k}", None))
+    return episode
+
+
+def by_hand_grpo(scores_per_group: list[list[float]]) -> list[float]:
+    """(s - mean) / (unbiased std + 1e-6) within each group, with the statistics module."""
+    return [(s - statistics.mean(g)) / (statistics.stdev(g) + 1e-6) for g in scores_per_group for s in g]
+
+
+def test_training_batch_gives_every_step_sample_its_group_normalised_score():
+    episodes = [
+        hand_episode("task-a", 0, True, [True, False, True]),  # s = 10, 9.9, 10
+        hand_episode("task-a", 0, False, [True, False]),  # 0, -0.1
+        hand_episode("task-a", 0, False, [True]),  # 0
+        hand_episode("task-b", 1, True, [True, True]),  # 10, 10
+        hand_episode("task-b", 1, True, [False]),  # 9.9
+        hand_episode("task-b", 1, False, [False, False]),  # -0.1, -0.1
+    ]
+    args = grpo.Args(success_reward=10.0, invalid_penalty=0.1)
+    prompts, responses, advantages, metrics = grpo.training_batch(episodes, args)
+    expected = by_hand_grpo([[10, 9.9, 10, 0, -0.1, 0], [10, 10, 9.9, -0.1, -0.1]])
+    assert advantages.tolist() == pytest.approx(expected, rel=1e-9)
+    assert expected[1] < expected[0] and expected[7] > 0  # the penalty hits its own step; a malformed win is good
+    turns = [t for e in episodes for t in e.turns]
+    assert prompts == [t.prompt_ids for t in turns] and responses == [t.response_ids for t in turns]
+    assert metrics == {}
+
+
+# ---- the update: one update_policy call against the same steps written with plain torch ---------------
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 15]]
+RESPONSES = [[20, 21, 22, 23], [24], [25, 26], [27, 28, 29]]
+ADVANTAGES = np.array([1.0, -0.5, 2.0, -1.0])
+NO_AUTOCAST = lambda: torch.autocast("cpu", enabled=False)  # noqa: E731
+
+
+def plain_logprobs(model, prompt, response, temperature):
+    """log pi(y_k | x, y_<k) and the entropy at each response token, from the model's full logits / T."""
+    logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : len(prompt) + len(response) - 1]
+    logp_all = torch.log_softmax(logits.float() / temperature, -1)
+    return logp_all[torch.arange(len(response)), torch.tensor(response)], -(logp_all.exp() * logp_all).sum(-1)
+
+
+def sgd_by_hand(model, ref, minibatches: list, lr, clip_eps, kl_coef, entropy_coef, temperature):
+    """SGD steps on the token-mean of the PPO-clip (dual clip 3) loss + kl_coef * k3(ref) - entropy_coef * H,
+    every ratio against the log-probs before the first step. Returns the token-means of k3 and H."""
+    with torch.no_grad():
+        old = [plain_logprobs(model, p, r, temperature)[0] for p, r in zip(PROMPTS, RESPONSES)]
+        ref_logp = [plain_logprobs(ref, p, r, temperature)[0] for p, r in zip(PROMPTS, RESPONSES)]
+    kl_sum = entropy_sum = tokens = 0.0
+    for minibatch in minibatches:
+        model.zero_grad()
+        n = sum(len(RESPONSES[i]) for i in minibatch)
+        for i in minibatch:
+            a = float(ADVANTAGES[i])
+            logp, entropy = plain_logprobs(model, PROMPTS[i], RESPONSES[i], temperature)
+            ratio = torch.exp(logp - old[i])
+            surrogate = torch.maximum(-a * ratio, -a * ratio.clamp(1 - clip_eps, 1 + clip_eps))
+            if a < 0:
+                surrogate = surrogate.clamp(max=-a * 3.0)
+            kl = torch.exp(ref_logp[i] - logp) - (ref_logp[i] - logp) - 1
+            ((surrogate + kl_coef * kl - entropy_coef * entropy).sum() / n).backward()
+            kl_sum, entropy_sum = kl_sum + kl.sum().item(), entropy_sum + entropy.sum().item()
+            tokens += len(logp)
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+    return kl_sum / tokens, entropy_sum / tokens
+
+
+def update(module_name: str, model, ref, optimizer, advantages, args, generator):
+    """update_policy of grpo.py (gigpo, proas and pats hold the same text) or of a method's own copy,
+    called as grpo.py would be: StraTA with no strategy samples, ActGuide with no guided ones."""
+    module = importlib.import_module(module_name)
+    extra = {"strata": ([False] * len(PROMPTS),), "actguide": (PROMPTS,)}.get(module_name, ())
+    return module.update_policy(model, ref, optimizer, PROMPTS, RESPONSES, advantages, module.Args(**args), 0,
+                                NO_AUTOCAST, generator, *extra)
+
+
+@pytest.mark.parametrize("module_name", ["grpo", "strata", "actguide"])
+@pytest.mark.parametrize("case", [
+    dict(kl_coef=0.5, entropy_coef=0.1, temperature=1.0, update_epochs=1),  # both regularisers, pinned
+    dict(kl_coef=0.5, entropy_coef=0.1, temperature=0.7, update_epochs=1),  # old, reference and new passes at T
+    dict(kl_coef=0.0, entropy_coef=0.0, temperature=1.0, update_epochs=2),  # a 2nd epoch still trains against pi_old
+], ids=["kl-entropy", "temperature", "two-epochs"])
+def test_update_equals_the_same_sgd_steps_written_in_plain_torch(tiny_model, case, module_name):
+    from transformers import AutoModelForCausalLM
+
+    lr = 0.2  # big enough steps that some ratios of the 2nd minibatch clip; small enough that k3 stays below its clamp
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():  # a reference that is not the policy, so k3 against it differs from k3 against pi_old
+        for k, p in enumerate(ref.parameters()):
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(k)))
+    settings = dict(minibatch_size=2, max_grad_norm=1e9, eval_temperature=0.4, **case)
+    args = grpo.Args(**settings)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    metrics = update(module_name, model, ref if args.kl_coef > 0 else None, optimizer, ADVANTAGES, settings,
+                     torch.Generator().manual_seed(0))
+
+    generator = torch.Generator().manual_seed(0)  # update_policy's minibatches: 2 per epoch from one generator
+    minibatches = [mb for _ in range(args.update_epochs)
+                   for mb in np.array_split(torch.randperm(4, generator=generator).numpy(), 2)]
+    by_hand = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    kl, entropy = sgd_by_hand(by_hand, ref, minibatches, lr, args.clip_eps, args.kl_coef, args.entropy_coef,
+                              args.temperature)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    assert max((p - q).abs().max() for p, q in zip(by_hand.parameters(), base.parameters())) > 1e-2  # big steps
+    assert metrics["losses/clipfrac"] > 0 or args.kl_coef == 0  # the clip is exercised too
+    for (name, a), b in zip(model.named_parameters(), by_hand.parameters()):
+        assert torch.allclose(a, b, atol=1e-6), name
+    assert metrics["losses/entropy"] == pytest.approx(entropy, rel=1e-5)
+    if args.kl_coef > 0:
+        assert kl > 1e-3 and metrics["losses/kl"] == pytest.approx(kl, rel=1e-5)
+    assert metrics["perf/optimizer_steps"] == 2 * args.update_epochs and metrics["losses/skipped_steps"] == 0
+
+
+@pytest.mark.parametrize("module_name", ["grpo", "strata", "actguide"])
+def test_a_non_finite_gradient_skips_the_optimizer_step_and_is_counted(tiny_model, module_name):
+    from transformers import AutoModelForCausalLM
+
+    args = dict(minibatch_size=2, kl_coef=0.0, entropy_coef=0.0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    # nan advantages everywhere: no step at all, not even AdamW's weight decay
+    metrics = update(module_name, model, None, optimizer, np.full(4, np.nan), args, torch.Generator().manual_seed(3))
+    assert metrics["losses/skipped_steps"] == 2 and metrics["perf/optimizer_steps"] == 0
+    assert math.isnan(metrics["losses/grad_norm"])
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)) and not optimizer.state
+    # one minibatch of the two is finite: that one steps, with finite weights and moments
+    adv = np.array([np.inf, 1.0, -1.0, 0.5])
+    minibatches = np.array_split(torch.randperm(4, generator=torch.Generator().manual_seed(0)).numpy(), 2)
+    assert sum(0 in mb for mb in minibatches) == 1
+    metrics = update(module_name, model, None, optimizer, adv, args, torch.Generator().manual_seed(0))
+    assert metrics["losses/skipped_steps"] == 1 and metrics["perf/optimizer_steps"] == 1
+    assert math.isfinite(metrics["losses/grad_norm"])
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(torch.isfinite(v).all() for state in optimizer.state.values() for v in state.values())
 
 
 def test_generated_responses_end_at_their_first_eos_and_keep_it(tiny_model):

@@ -215,6 +215,76 @@ def test_rules_reviewer_expand_from_cards():
     assert [e["kind"] for e in edits] == ["skill", "mistake"] and "<action>" in edits[0]["constraint"] and "<think>" in edits[1]["pitfall"]
 
 
+def test_iteration_review_keeps_a_shown_exemplar_drops_an_unneeded_one_and_skips_crashed_groups():
+    """The main loop's review: cards of the iteration's groups (none from a group whose env crashed),
+    then review_bank. A group shown its exemplar that all passed keeps it (refreshed from its newest
+    win); one that all passed without it loses it."""
+    wins = [e for e in hand_made_group() if e.won]
+
+    def group(task_id, number, shown=(), crashed=False, won=True):
+        return [Episode(task_id, number, e.task, e.task_type, turns=list(e.turns), won=won, score=float(won),
+                        shown=list(shown), crashed=crashed) for e in wins]
+
+    episodes = (group("train-cut-0", 0, shown=[pats.EXEMPLAR]) + group("train-cut-1", 1)
+                + group("train-cut-2", 2, crashed=True) + group("train-cut-3", 3, won=False))
+    cards = pats.iteration_cards(episodes, 10.0, iteration=5)
+    assert [c["task_id"] for c in cards] == ["train-cut-0", "train-cut-1", "train-cut-3"]
+    old = {f"train-cut-{k}": "- Exemplar: old" for k in range(3)}
+    state = {"bank": {}, "ema": {"cut": 0.5}, "exemplars": old, "next_id": 0}
+    metrics = pats.review_bank(state, cards, lambda *_: ([], 0), pats.Args(), iteration=5)
+    refreshed = "- Exemplar (a successful attempt at this task): take knife -> slice carrot with knife"
+    assert state["exemplars"] == {"train-cut-0": refreshed, "train-cut-2": "- Exemplar: old"}
+    # competence: 0.1 * mean(1, 1, 0) + 0.9 * 0.5 (the crashed group is no evidence)
+    assert state["ema"]["cut"] == pytest.approx(0.1 * 2 / 3 + 0.45) and metrics["pats/mode_REVISE"] == 1
+
+
+def test_the_scaffold_counts_against_the_budget_and_never_pushes_out_the_prompt(tiny_model, cooking_spec):
+    """A scaffold (e.g. --no-adapt's whole bank) keeps the lines that fit beside grpo.py's prompt of the turn
+    (template head, history, observation all kept); the prompt never exceeds --max-prompt-tokens."""
+    from transformers import AutoTokenizer
+
+    import grpo
+    from envs import Step
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    obs = Step(observation="a kitchen with a knife", reward=0.0, done=False, won=False,
+               admissible=["look", "take knife"], task="cut the carrot", task_type="cut", state=None)
+    history = [("a dark room", "go north"), ("a kitchen", "look")]
+    scaffold = pats.SCAFFOLD_HEADER + "".join(f"- Plan: take knife -> slice carrot, variant {k}\n" for k in range(12))
+
+    def build(budget, text):
+        args = pats.Args(history_length=2, max_prompt_tokens=budget, response_prefix="<think>")
+        episode = Episode("train-cut-0", 0, task="cut the carrot", scaffold=text)
+        return pats.build_prompt(cooking_spec, tokenizer, args, episode, obs, history), episode.scaffold_fit
+
+    def grpo_prompt(budget):
+        args = pats.Args(history_length=2, max_prompt_tokens=budget, response_prefix="<think>")
+        episode = grpo.Episode("train-cut-0", 0, task="cut the carrot")
+        return tokenizer.decode(grpo.build_prompt(cooking_spec, tokenizer, args, episode, obs, history))
+
+    head = "<|im_start|>user\n"
+    plain, _ = build(4096, "")
+    assert tokenizer.decode(plain) == grpo_prompt(4096)
+    full, fit = build(4096, scaffold)
+    assert tokenizer.decode(full) == tokenizer.decode(plain).replace(head, head + scaffold, 1)
+    assert fit == [(len(full) - len(plain), False)]
+    # half the scaffold's tokens of room: its first lines, all of the plain prompt, within the budget
+    budget = len(plain) + (len(full) - len(plain)) // 2
+    cut, fit = build(budget, scaffold)
+    text = tokenizer.decode(cut)
+    kept = [k for k in range(12) if f"variant {k}\n" in text]
+    assert len(cut) <= budget and 1 <= len(kept) < 12 and kept == list(range(len(kept)))
+    assert text.startswith(head + pats.SCAFFOLD_HEADER) and text.endswith(tokenizer.decode(plain)[len(head):])
+    assert fit == [(len(cut) - len(plain), True)]
+    # no room left: grpo.py's prompt, its history included
+    assert build(len(plain), scaffold) == (plain, [(0, True)])
+    # less room than that: grpo.py's own choice for this budget (the oldest pair dropped) comes first
+    short, _ = build(len(plain) - 1, scaffold)
+    grpo_short = grpo_prompt(len(plain) - 1)
+    assert "a dark room" not in grpo_short and "a kitchen" in grpo_short
+    assert len(short) <= len(plain) - 1 and tokenizer.decode(short).endswith(grpo_short[len(head):])
+
+
 def test_rollout_prompts_carry_the_frozen_group_scaffold_and_evaluation_prompts_none(tiny_model, cooking_spec):
     """The ratio is computed on the prompt the policy saw: every training turn's prompt ids hold the
     group's scaffold, chosen once per group; evaluation (deployment) prompts hold none."""
@@ -245,7 +315,7 @@ def test_rollout_prompts_carry_the_frozen_group_scaffold_and_evaluation_prompts_
         assert turns and all("- Plan: take knife" in tokenizer.decode(t.prompt_ids) for t in turns)
         assert all(e.scaffold == episodes[0].scaffold and e.shown == [7] for e in episodes)
         seen.clear()
-        pats.evaluate(cooking_spec, runner, tokenizer, generate, args, ["train-cut-0"], 0, 1)
+        pats.evaluate(cooking_spec, runner, tokenizer, generate, args, {"train": ["train-cut-0"]}, 0, 1)
     assert seen and not any("Training guidance" in p or "take knife" in p.split("Your task")[0] for p in seen)
 
 
@@ -276,3 +346,18 @@ def test_cli_two_iterations_on_cooking_across_a_resume_keep_the_bank(tiny_model,
         assert key in metrics[2], key
     # iteration 2's task is of a type seen in iteration 1: its prompts carry the restored bank's entries
     assert metrics[2]["pats/scaffold_tokens"] > 0 and metrics[2]["pats/scaffold_items"] > 0
+
+
+def test_cli_policy_reviewer_tokens_count_in_the_iterations_tokens(tiny_model, tmp_path):
+    """The policy reviewer's generation is part of the iteration's cost: one-token training responses
+    make tokens/response exactly the samples plus the reviewer's answer."""
+    from test_grpo_e2e import TINY_FLAGS, only_run, read_metrics, run_script
+
+    flags = [*TINY_FLAGS, "--num-tasks", "1", "--max-steps", "1", "--max-new-tokens", "1", "--num-eval-tasks", "1",
+             "--eval-every", "100", "--reviewer", "policy", "--reviewer-max-new-tokens", "16", "--total-iterations", "1"]
+    out = run_script("pats.py", "--model", tiny_model, *flags, "--output-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = read_metrics(only_run(tmp_path))[1]
+    assert row["tokens/samples"] == 2 and 1 <= row["pats/reviewer_response_tokens"] <= 16
+    assert row["tokens/response"] == row["tokens/samples"] + row["pats/reviewer_response_tokens"]
+    assert row["tokens/prompt"] > row["pats/reviewer_prompt_tokens"] > 0 and row["pats/review_s"] > 0

@@ -2,6 +2,7 @@
 
 import math
 import os
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -147,25 +148,23 @@ EXPECTED = {
 
 @pytest.mark.parametrize("shaping", list(EXPECTED))
 def test_every_shaping_ablation_on_one_batch(shaping):
-    baseline, shaped, _ = proas.proas_advantages(SCORES, GROUPS, LENGTHS, LABELS, shaping, "nonadvancing", 1e-6, 1.0)
-    assert baseline.tolist() == pytest.approx(grpo.grpo_advantages(SCORES, GROUPS).tolist(), rel=1e-12)
+    baseline = grpo.grpo_advantages(SCORES, GROUPS)
+    shaped, _ = proas.proas_advantages(baseline, LENGTHS, LABELS, shaping, "nonadvancing", 1e-6)
     assert shaped[:7].tolist() == pytest.approx(EXPECTED[shaping], rel=1e-5, abs=1e-12)
     assert shaped[7:].tolist() == baseline[7:].tolist()
     assert baseline[7] == pytest.approx(5 / (math.sqrt(50) + 1e-6))  # group 1: mean 5, std sqrt(50): no graph, unshaped
 
 
-def test_shaping_none_equals_grpo_advantages_exactly():
-    _, shaped, weights = proas.proas_advantages(SCORES, GROUPS, LENGTHS, LABELS, "none", "nonadvancing", 1e-6, 1.0)
-    assert np.array_equal(shaped, grpo.grpo_advantages(SCORES, GROUPS)) and np.isnan(weights).all()
+def test_shaping_none_and_pr_leave_the_advantages_as_they_are():
+    baseline = grpo.grpo_advantages(SCORES, GROUPS)
+    for shaping in ("none", "pr"):
+        shaped, weights = proas.proas_advantages(baseline, LENGTHS, LABELS, shaping, "nonadvancing", 1e-6)
+        assert np.array_equal(shaped, baseline) and np.isnan(weights).all()
 
 
-def test_progress_reward_adds_c_pa_to_step_scores_instead_of_shaping():
-    # scores + 2 * PA: group 0 [12, 10, 12, 0, 2, 0, 0], mean 36/7; group 1 unchanged
-    baseline, shaped, _ = proas.proas_advantages(SCORES, GROUPS, LENGTHS, LABELS, "pr", "nonadvancing", 1e-6, 2.0)
-    s = np.array([12.0, 10, 12, 0, 2, 0, 0])
-    expected = (s - 36 / 7) / (math.sqrt(((s - 36 / 7) ** 2).sum() / 6) + 1e-6)
-    assert shaped[:7].tolist() == pytest.approx(expected.tolist(), rel=1e-9)
-    assert np.array_equal(shaped, baseline)  # no Eq. 7 on top
+def test_progress_per_step_is_pa_in_sample_order_and_zero_without_a_graph():
+    assert proas.progress_per_step(LENGTHS, LABELS).tolist() == [1, 0, 1, 0, 1, 0, 0, 0, 0]
+    assert proas.progress_per_step([], []).tolist() == []
 
 
 def test_random_labels_permute_pairs_across_the_batch():
@@ -265,6 +264,80 @@ def test_static_arg_never_grows_and_failed_episodes_never_grow(cooking_spec, coo
     # a task without a graph stays unlabelled
     labels, _ = proas.label_then_grow(cooking_spec, {"train-cut-0": None}, [won], "action")
     assert labels == [None]
+
+
+# ---- the iteration's algorithm: training_batch, as the main loop calls it ------------------------------
+def play_steps(spec, task_id: str, steps: list[tuple[str, bool]], group: int) -> Episode:
+    """Like play(), with a validity flag per step (a malformed step sends its text, as rollout does)."""
+    episode = play(spec, task_id, [a for a, _ in steps], group)
+    for turn, (_, ok) in zip(episode.turns, steps):
+        turn.valid = ok
+    return episode
+
+
+CUT = ["inventory", "examine cookbook", "take red potato from counter", "take knife from table",
+       "dice red potato with knife", "drop knife", "prepare meal", "eat meal"]
+EASY = ["inventory", "examine cookbook", "take orange bell pepper from fridge", "prepare meal", "eat meal"]
+# Re = PA per episode under G^(0) (walkthrough edges; inventory and examine are self-loops, a malformed step is never
+# reasonable, SWAP's first 5 steps leave the walkthrough's path); the won SWAP grows G only after labelling
+BATCH_LABELS = [[0, 0, 1, 0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1], [0, 0],
+                [0, 0, 1, 1, 1], [0, 0, 1]]
+
+
+@pytest.fixture(scope="module")
+def batch(cooking_spec):
+    """Two tasks. train-cut-0 (group 0): the walkthrough with a malformed 4th step, won; SWAP, won; SWAP's
+    first 6 steps, lost; inventory + look, lost. train-easy-0 (group 1): the walkthrough, won; inventory,
+    a malformed step, the take, lost."""
+    valid = lambda actions: [(a, True) for a in actions]  # noqa: E731
+    return [play_steps(cooking_spec, "train-cut-0", valid(CUT[:3]) + [("xyzzy", False)] + valid(CUT[3:]), 0),
+            play_steps(cooking_spec, "train-cut-0", valid(SWAP), 0),
+            play_steps(cooking_spec, "train-cut-0", valid(SWAP[:6]), 0),
+            play_steps(cooking_spec, "train-cut-0", valid(["inventory", "look"]), 0),
+            play_steps(cooking_spec, "train-easy-0", valid(EASY), 1),
+            play_steps(cooking_spec, "train-easy-0", [("inventory", True), ("dance", False), (EASY[2], True)], 1)]
+
+
+def shaped_by_hand(adv: list[float], labels: list[int], shaping: str) -> list[float]:
+    """Eq. 7 on one trajectory (Re = PA here): A > 0 -> Re A (not for none); A < 0 on a non-advancing step
+    -> D_t / mean_T D * A (proas) or A (msk), with D_t the non-advancing steps from t on; A < 0 on an
+    advancing step: A, or 0 (msk)."""
+    drift = [sum(1 - pa for pa in labels[t:]) for t in range(len(labels))]
+    mean_t = statistics.mean([d for d, pa in zip(drift, labels) if pa == 0] or [0])
+    out = []
+    for a, pa, d in zip(adv, labels, drift):
+        if shaping in ("none", "pr"):
+            out.append(a)
+        elif a > 0:
+            out.append(pa * a)
+        elif a < 0 and pa == 0:
+            out.append(d / (mean_t + 1e-6) * a if shaping == "proas" else a)
+        else:
+            out.append(0.0 if shaping == "msk" and a < 0 else a)
+    return out
+
+
+@pytest.mark.parametrize("shaping", ["proas", "none", "msk", "pr"])
+def test_training_batch_labels_each_trajectory_then_shapes_its_grpo_advantages(cooking_spec, cooking_runner, batch,
+                                                                               shaping):
+    assert [e.won for e in batch] == [True, True, False, False, True, False]
+    graphs = {}  # both tasks are new: their graphs come from replaying the walkthroughs
+    args = proas.Args(success_reward=10.0, invalid_penalty=0.1, shaping=shaping, progress_reward_coef=2.0)
+    prompts, responses, advantages, metrics = proas.training_batch(cooking_spec, cooking_runner, batch, graphs, args, 1)
+    scores = [[10.0 * e.won - 0.1 * (not t.valid) + 2.0 * pa * (shaping == "pr") for t, pa in zip(e.turns, lab)]
+              for e, lab in zip(batch, BATCH_LABELS)]
+    groups = [sum(scores[:4], []), sum(scores[4:], [])]
+    grpo_adv = [(s - statistics.mean(g)) / (statistics.stdev(g) + 1e-6) for g in groups for s in g]
+    expected, start = [], 0
+    for lab in BATCH_LABELS:
+        expected += shaped_by_hand(grpo_adv[start : start + len(lab)], lab, shaping)
+        start += len(lab)
+    assert advantages.tolist() == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    assert len(prompts) == len(responses) == 34
+    assert metrics["proas/graph_edges_added"] == 2 and len(graphs["train-cut-0"]["edges"]) == 8  # + SWAP's order
+    # the won trajectories' unreasonable steps: 3 of 9, 5 of 9, 2 of 5
+    assert metrics["proas/masked_frac"] == pytest.approx(10 / 23)
+    assert metrics["proas/mui_zeroed_frac"] == pytest.approx(0.0 if shaping in ("none", "pr") else 10 / 34)
 
 
 ALFWORLD_DATA = Path(os.environ.get("ALFWORLD_DATA", Path(__file__).resolve().parents[2] / "shared" / "data" / "alfworld"))

@@ -1,9 +1,15 @@
 """sft.py: demonstrations built as the RL rollout builds its prompts, the NLL update and its
 schedule, and the checkpoint every RL file takes as --model."""
 
+import contextlib
 import json
 import math
+import os
+import socket
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,7 +17,7 @@ import envs
 import grpo
 import sft
 from conftest import SHARED_DATA
-from test_grpo_e2e import TINY_FLAGS, only_run, read_metrics, run_script
+from test_grpo_e2e import REPO, TINY_FLAGS, only_run, read_metrics, run_script
 
 SFT_FLAGS = [
     "--env", "cooking-easy", "--num-tasks", "2", "--max-steps", "2", "--max-new-tokens", "8", "--num-eval-tasks", "1",
@@ -57,7 +63,7 @@ def test_demonstration_prompts_equal_the_rollout_prompts_of_the_same_states(tiny
         grpo.rollout(cooking_spec, runner, tokenizer, lambda prompts, temperature: [next(targets) for _ in prompts],
                      rl_args, [episode], 1.0, "test")
     assert plan == ["inventory", "examine cookbook", "take orange bell pepper from fridge", "prepare meal", "eat meal"]
-    assert counts == {"demos/tasks": 1, "demos/without_plan": 0, "demos/won": 1, "demos/samples": 5}
+    assert counts == {"demos/tasks": 1, "demos/without_plan": 0, "demos/won": 1, "demos/crashed": 0, "demos/samples": 5}
     assert [t.prompt_ids for t in episode.turns] == [prompt for prompt, _ in samples]
     assert [t.action for t in episode.turns] == plan
     assert episode.won and all(t.valid for t in episode.turns)
@@ -104,8 +110,130 @@ def test_an_env_without_expert_trajectories_is_one_clear_line(tiny_model, tmp_pa
     if not questions.exists():
         pytest.skip(f"shared search data not found at {questions}")
     nq = sorted(questions.glob("nq*.jsonl"))[0]
-    out = run_script("sft.py", "--model", tiny_model, "--env", "search", "--env-data", str(nq), "--num-tasks", "3",
-                     "--search-url", "http://127.0.0.1:9/retrieve", "--num-env-workers", "1", timeout=300)
+    with search_server() as url:  # the env probe needs a live server
+        out = run_script("sft.py", "--model", tiny_model, "--env", "search", "--env-data", str(nq), "--num-tasks", "3",
+                         "--search-url", url, "--num-env-workers", "1", timeout=300)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "none of the 3 'train' tasks has an expert trajectory" in out.stderr and "3 have no reference actions" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+CORPUS = SHARED_DATA / "search_qa" / "corpus" / "wiki18_searchr1_retrieved_passages.jsonl"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def search_server():
+    """The BM25 retrieval server, started as users start it."""
+    pytest.importorskip("bm25s", reason="bm25s not installed: pip install bm25s")
+    if not CORPUS.exists():
+        pytest.skip(f"shared search corpus not found at {CORPUS}")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "envs.search", "serve", "--corpus", str(CORPUS), "--port", str(port)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert "serving" in proc.stdout.readline()
+        yield f"http://127.0.0.1:{port}/retrieve"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_sft_probes_its_env_and_stops_when_most_replayed_plans_crash(tiny_model, tmp_path):
+    """The 125 Bamboogle questions as the train split, beside the Search-R1 trajectories: 14 have a
+    winning trajectory (a search, then the answer). A dead server stops sft.py before the model loads;
+    a server that dies after the probe crashes all 14 replays, and the run stops instead of training."""
+    data = tmp_path / "search"
+    data.mkdir()
+    (data / "train.jsonl").symlink_to(SHARED_DATA / "search_qa" / "questions" / "flashrag_format" / "bamboogle_test_subsample.jsonl")
+    (data / "trajectories").symlink_to(SHARED_DATA / "search_qa" / "trajectories")
+    flags = ["--model", tiny_model, "--env", "search", "--env-data", str(data), "--num-env-workers", "2",
+             "--num-eval-tasks", "2", "--max-new-tokens", "8", "--output-dir", str(tmp_path / "runs")]
+    dead = f"http://127.0.0.1:{free_port()}/retrieve"
+    out = run_script("sft.py", *flags, "--search-url", dead, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(f"error: retrieval server {dead} is not answering (")
+    assert not (tmp_path / "runs").exists()
+
+    with search_server() as url:
+        run = subprocess.Popen([sys.executable, "sft.py", *flags, "--search-url", url], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            line = next(line for line in run.stdout if line.startswith("env search: started"))
+        except StopIteration:
+            run.kill()
+            raise
+    try:
+        stdout, stderr = run.communicate(timeout=300)
+    finally:
+        run.kill()
+    assert line.startswith("env search: started train/train/0 in ") and line.rstrip().endswith("s (125 tasks)")
+    assert run.returncode == 2 and "Traceback" not in stderr, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == ("error: 14 of 14 episodes of this iteration crashed (see the warnings "
+                                               "above): the env is failing; stopping rather than training on them")
+    assert not list((only_run(tmp_path / "runs")).glob("checkpoint*"))
+
+
+# ---- the update: one epoch against the same SGD steps written with plain torch ---------------------
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 15]]
+RESPONSES = [[20, 21, 22, 23], [24], [25, 26], [27, 28, 29]]
+NO_AUTOCAST = lambda: torch.autocast("cpu", enabled=False)  # noqa: E731
+
+
+def sft_update(model, optimizer, args, seed):
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    metrics, steps = sft.update_policy(model, optimizer, scheduler, PROMPTS, RESPONSES, args, 0, NO_AUTOCAST,
+                                       torch.Generator().manual_seed(seed))
+    return metrics, steps, scheduler
+
+
+def test_update_is_the_token_mean_nll_at_temperature_one_whatever_the_sampling_temperature(tiny_model):
+    """--temperature 0.7 (the RL runs' sampling temperature) leaves the clone's loss the plain NLL."""
+    from transformers import AutoModelForCausalLM
+
+    lr = 0.2
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    by_hand = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    args = sft.Args(minibatch_size=2, max_grad_norm=1e9, temperature=0.7)
+    metrics, steps, _ = sft_update(model, torch.optim.SGD(model.parameters(), lr=lr), args, 0)
+
+    minibatches = np.array_split(torch.randperm(4, generator=torch.Generator().manual_seed(0)).numpy(), 2)
+    nlls = []
+    for minibatch in minibatches:
+        by_hand.zero_grad()
+        n = sum(len(RESPONSES[i]) for i in minibatch)
+        loss = 0.0
+        for i in minibatch:
+            p, r = PROMPTS[i], RESPONSES[i]
+            logits = by_hand(torch.tensor([p + r])).logits[0, len(p) - 1 : len(p) + len(r) - 1]
+            loss = loss - torch.log_softmax(logits.float(), -1)[torch.arange(len(r)), torch.tensor(r)].sum() / n
+        loss.backward()
+        nlls.append(loss.item())
+        with torch.no_grad():
+            for q in by_hand.parameters():
+                q -= lr * q.grad
+    for (name, a), b in zip(model.named_parameters(), by_hand.parameters()):
+        assert torch.allclose(a, b, atol=1e-6), name
+    assert [nll for nll, _ in steps] == pytest.approx(nlls, rel=1e-5)
+    assert metrics["perf/optimizer_steps"] == 2 and metrics["losses/skipped_steps"] == 0
+
+
+def test_a_non_finite_gradient_skips_the_optimizer_step_and_is_counted(tiny_model):
+    """A nan in the final norm (a diverged model) makes every gradient nan: no step is taken, not even
+    AdamW's weight decay, and both minibatches are counted; the learning-rate schedule moves on."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    metrics, steps, scheduler = sft_update(model, optimizer, sft.Args(minibatch_size=2), 3)
+    assert metrics["losses/skipped_steps"] == 2 and metrics["perf/optimizer_steps"] == 0
+    assert math.isnan(metrics["losses/grad_norm"]) and len(steps) == 2 and scheduler.last_epoch == 2
+    assert all(torch.allclose(p, q, equal_nan=True) for p, q in zip(model.parameters(), before)) and not optimizer.state

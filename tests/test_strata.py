@@ -2,7 +2,9 @@
 real cooking rollout, and the script end to end through its CLI."""
 
 import contextlib
+import itertools
 import math
+import statistics
 
 import numpy as np
 import pytest
@@ -116,6 +118,57 @@ def test_action_advantages_are_grouped_by_task_and_strategy():
     assert by_task[3] > 0
 
 
+# ---- the iteration's algorithm: training_batch, as the main loop calls it ------------------------------
+_ids = itertools.count(100)
+
+
+def played(task_group: int, strategy_index: int, z, won: bool, valid: list[bool], flagged=()) -> strata.Episode:
+    """An episode of task `task_group` under its `strategy_index`-th strategy z (N = 2), as rollout and
+    self_judge leave it; every turn gets its own token ids."""
+    e = strata.Episode(f"task-{task_group}", task_group * 2 + strategy_index, strategy=z, task_group=task_group,
+                       won=won, flagged=set(flagged))
+    for ok in valid:
+        k = next(_ids)
+        e.turns.append(strata.Turn([k, k], [k], "go", ok, "obs", None))
+    return e
+
+
+def test_training_batch_trains_actions_per_task_and_strategy_and_strategies_per_task():
+    z = [strata.Strategy([1, 0], [9] * 3, "z0", True), strata.Strategy([1, 1], [9] * 2, "z1", True),
+         strata.Strategy([1, 2], [9] * 3, "z2", False), strata.Strategy([1, 3], [9] * 6, "z3", True)]
+    episodes = [
+        played(0, 0, z[0], True, [True, True]), played(0, 0, z[0], False, [True, False]),
+        played(0, 0, z[0], True, [False]),
+        played(0, 1, z[1], False, [True]), played(0, 1, z[1], False, [True, True, True], flagged={2}),
+        played(0, 1, z[1], True, [True, True], flagged={1}),
+        played(1, 0, z[2], False, [True]), played(1, 0, z[2], False, [False, True]), played(1, 0, z[2], False, [True]),
+        played(1, 1, z[3], False, [True]), played(1, 1, z[3], True, [True, True], flagged={1, 2}),
+        played(1, 1, z[3], False, [True]),
+    ]
+    args = strata.Args(success_reward=10.0, invalid_penalty=0.1, judge_penalty=0.1, num_strategies=2,
+                       episodes_per_strategy=3, top_delta=0.5, strategy_token_budget=4, strategy_length_penalty=0.5,
+                       strategy_format_penalty=0.5)
+    prompts, responses, advantages, is_strategy, metrics = strata.training_batch(episodes, args)
+    # action level, s = won - 0.1 invalid - 0.1 flagged, normalised within each (task x strategy) group
+    groups = [[1, 1, 0, -0.1, 0.9],  # task 0, z0
+              [0, 0, -0.1, 0, 0.9, 1],  # task 0, z1 (step 2 of its 2nd episode and step 1 of its 3rd flagged)
+              [0, -0.1, 0, 0],  # task 1, z2
+              [0, 0.9, 0.9, 0]]  # task 1, z3
+    actions = [(s - statistics.mean(g)) / (statistics.stdev(g) + 1e-6) for g in groups for s in g]
+    # strategy level, top ceil(0.5 * 3) = 2 of each strategy's 3 returns: z0 (1, 1) -> 1; z1 (1, 0) -> 0.5;
+    # z2 (0, 0) - 0.5 untagged -> -0.5; z3 (1, 0) - 0.5 * (6 - 4) / 4 too long -> 0.25; normalised per task
+    rewards = [[1.0, 0.5], [-0.5, 0.25]]
+    strategies = [(r - statistics.mean(t)) / (statistics.stdev(t) + 1e-6) for t in rewards for r in t]
+    assert advantages.tolist() == pytest.approx(actions + strategies, rel=1e-9)
+    assert is_strategy.tolist() == [False] * 19 + [True] * 4
+    turns = [t for e in episodes for t in e.turns]
+    assert prompts == [t.prompt_ids for t in turns] + [s.prompt_ids for s in z]
+    assert responses == [t.response_ids for t in turns] + [s.response_ids for s in z]
+    assert metrics["strata/strategy_reward"] == pytest.approx(1.25 / 4)
+    assert metrics["strata/strategy_format_ok"] == 0.75
+    assert metrics["strata/strategy_tokens"] == 3.5
+
+
 # ---- self-judgment -----------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "response, steps, flagged, ok",
@@ -222,8 +275,8 @@ def test_two_iterations_on_cooking_log_strata_metrics(tiny_model, tmp_path):
                 "strata/diversity_random", "strata/judge_flagged_frac", "strata/judge_parse_fail_frac", "strata/strategy_time_frac",
                 "strata/judge_time_frac", "strata/strategy_policy_loss", "losses/policy_loss", "charts/success_rate", "eval/success_rate"]:
         assert key in metrics[2], key
-    # 1 task x N=2 strategies x M=2 episodes of 1..3 steps: 4..12 step samples (+ 2 strategy samples trained)
-    assert 4 <= metrics[1]["tokens/samples"] <= 12
+    # 1 task x N=2 strategies x M=2 episodes of 1..3 steps: 4..12 step samples, + 2 strategy samples trained
+    assert 6 <= metrics[1]["tokens/samples"] <= 14
     assert metrics[1]["strata/strategy_tokens"] <= 16
     # FPS keeps the farther pair of the 4 candidates: at least as diverse as the first 2
     assert metrics[1]["strata/diversity_chosen"] >= metrics[1]["strata/diversity_random"] - 1e-9
