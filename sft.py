@@ -597,7 +597,8 @@ def demonstrations(spec, runner, tokenizer, args: Args, task_ids: list[str]) -> 
     """Replay each task's expert actions, all tasks in lockstep through the runner, and keep the
     steps of the replays that win: a list of (prompt ids, target ids), plus counts."""
     plans = runner.demonstrations(task_ids)
-    counts = {"demos/tasks": len(task_ids), "demos/without_plan": sum(not p for p in plans), "demos/won": 0, "demos/samples": 0}
+    counts = {"demos/tasks": len(task_ids), "demos/without_plan": sum(not p for p in plans), "demos/won": 0,
+              "demos/crashed": 0, "demos/samples": 0}
     if not any(plans):  # nothing to replay: no env needs to start
         return [], counts
     episodes = [Episode(task_id, k) for k, task_id in enumerate(task_ids)]

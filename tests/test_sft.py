@@ -112,7 +112,7 @@ def test_an_env_without_expert_trajectories_is_one_clear_line(tiny_model, tmp_pa
     nq = sorted(questions.glob("nq*.jsonl"))[0]
     with search_server() as url:  # the env probe needs a live server
         out = run_script("sft.py", "--model", tiny_model, "--env", "search", "--env-data", str(nq), "--num-tasks", "3",
-                         "--search-url", url, "--num-env-workers", "1", timeout=300)
+                         "--search-url", url, "--num-env-workers", "1", timeout=600)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "none of the 3 'train' tasks has an expert trajectory" in out.stderr and "3 have no reference actions" in out.stderr
     assert "Traceback" not in out.stderr
@@ -145,17 +145,26 @@ def search_server():
 
 
 def test_sft_probes_its_env_and_stops_when_most_replayed_plans_crash(tiny_model, tmp_path):
-    """The 125 Bamboogle questions as the train split, beside the Search-R1 trajectories: 14 have a
-    winning trajectory (a search, then the answer). A dead server stops sft.py before the model loads;
-    a server that dies after the probe crashes all 14 replays, and the run stops instead of training."""
+    """The train split: the 14 Bamboogle questions that have a winning Search-R1 trajectory (a search,
+    then the answer) and 2 that have none. A dead server stops sft.py before the model loads; a server
+    that dies after the probe crashes all 14 replays, and the run stops instead of training."""
+    from envs import search
+
+    qa = SHARED_DATA / "search_qa"
+    solved = search.reference_trajectories(str(qa))
+    rows = (qa / "questions" / "flashrag_format" / "bamboogle_test_subsample.jsonl").read_text().splitlines()
+    with_plan = [row for row in rows if json.loads(row)["question"].strip() in solved]
+    without = [row for row in rows if json.loads(row)["question"].strip() not in solved][:2]
+    assert len(with_plan) == 14
     data = tmp_path / "search"
     data.mkdir()
-    (data / "train.jsonl").symlink_to(SHARED_DATA / "search_qa" / "questions" / "flashrag_format" / "bamboogle_test_subsample.jsonl")
-    (data / "trajectories").symlink_to(SHARED_DATA / "search_qa" / "trajectories")
+    (data / "train.jsonl").write_text("\n".join(with_plan + without) + "\n")
+    (data / "test.jsonl").write_text("\n".join(without) + "\n")
+    (data / "trajectories").symlink_to(qa / "trajectories")
     flags = ["--model", tiny_model, "--env", "search", "--env-data", str(data), "--num-env-workers", "2",
              "--num-eval-tasks", "2", "--max-new-tokens", "8", "--output-dir", str(tmp_path / "runs")]
     dead = f"http://127.0.0.1:{free_port()}/retrieve"
-    out = run_script("sft.py", *flags, "--search-url", dead, timeout=300)
+    out = run_script("sft.py", *flags, "--search-url", dead, timeout=600)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith(f"error: retrieval server {dead} is not answering (")
     assert not (tmp_path / "runs").exists()
@@ -169,10 +178,10 @@ def test_sft_probes_its_env_and_stops_when_most_replayed_plans_crash(tiny_model,
             run.kill()
             raise
     try:
-        stdout, stderr = run.communicate(timeout=300)
+        stdout, stderr = run.communicate(timeout=600)
     finally:
         run.kill()
-    assert line.startswith("env search: started train/train/0 in ") and line.rstrip().endswith("s (125 tasks)")
+    assert line.startswith("env search: started train/train/0 in ") and line.rstrip().endswith("s (16 tasks)")
     assert run.returncode == 2 and "Traceback" not in stderr, stderr[-2000:]
     assert stderr.strip().splitlines()[-1] == ("error: 14 of 14 episodes of this iteration crashed (see the warnings "
                                                "above): the env is failing; stopping rather than training on them")
