@@ -1092,18 +1092,25 @@ def load_run_args(run_dir: str, cli: Args, given: set[str]) -> Args:
     return saved
 
 
+def drop_rows_after(path: Path, key: str, last: int) -> int:
+    """Keep the rows of a jsonl log whose `key` is at most `last`, none that a kill cut short; how many are kept."""
+    if not path.exists():
+        return 0
+    complete = [row for row in path.read_text().splitlines() if row.endswith("}")]
+    kept = [row + "\n" for row in complete if json.loads(row)[key] <= last]
+    path.with_suffix(".tmp").write_text("".join(kept))
+    os.replace(path.with_suffix(".tmp"), path)
+    return len(kept)
+
+
 def open_logs(run_dir: Path, args: Args, start_iteration: int):
     """TensorBoard writer for the run. On resume, what was logged after the checkpoint's iteration
     (a kill after logging, before the next save) is dropped, since those iterations are redone:
     rows of metrics.jsonl, and TensorBoard events through `purge_step`."""
     from torch.utils.tensorboard import SummaryWriter
 
-    metrics = run_dir / "metrics.jsonl"
-    if start_iteration > 0 and metrics.exists():
-        complete = [row for row in metrics.read_text().splitlines() if row.endswith("}")]  # not one the kill cut short
-        kept = [row + "\n" for row in complete if json.loads(row)["iteration"] <= start_iteration]
-        (run_dir / "metrics.jsonl.tmp").write_text("".join(kept))
-        os.replace(run_dir / "metrics.jsonl.tmp", metrics)
+    if start_iteration > 0:
+        drop_rows_after(run_dir / "metrics.jsonl", "iteration", start_iteration)
     writer = SummaryWriter(str(run_dir), purge_step=start_iteration + 1 if start_iteration > 0 else None)
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
     return writer

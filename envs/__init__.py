@@ -13,12 +13,15 @@ Each adapter module (envs/cooking.py, envs/alfworld.py, ...) defines, in this or
   PRESET                      a Preset
   task_ids(split, **kw)       the task ids of a split (cheap, no engine started)
   class Env(**kw)             reset(task_id) -> Step, step(action) -> Step,
-                              reference_actions(task_id) -> list[str], prepare(task_id),
-                              close()
+                              reference_actions(task_id) -> list[str] (action data, never an answer),
+                              demonstration(task_id) -> list[str] (the expert's whole episode),
+                              prepare(task_id), close()
   project_state(state, task, reference_actions) -> frozenset
                               ProAS's task-relevant, order-invariant abstract state
   prompt(task, observation, admissible, history, step_count, history_length) -> str
   parse(response) -> (action, valid)
+  answer(thought, action) -> str
+                              the env's answer format around an action (sft.py's targets)
 
 Environment packages are imported inside the adapter, so a missing package only fails that
 env, with an EnvUnavailable error naming the install command.
@@ -111,6 +114,9 @@ class EnvSpec:
     def parse(self, response: str) -> tuple[str, bool]:
         return self.module.parse(response)
 
+    def answer(self, thought: str, action: str) -> str:
+        return self.module.answer(thought, action)
+
     def project_state(self, state, task, reference_actions) -> frozenset:
         return self.module.project_state(state, task, reference_actions)
 
@@ -131,6 +137,11 @@ def verl_projection(response: str, tail_chars: int) -> tuple[str, bool]:
     if "<think>" not in response or "</think>" not in response or CJK.search(response):
         valid = False
     return action, valid
+
+
+def verl_answer(thought: str, action: str) -> str:
+    """A well-formed answer under verl_projection: the thought in <think> tags, then the action."""
+    return f"<think>{thought}</think>\n<action>{action}</action>"
 
 
 def load(name: str, **kwargs) -> EnvSpec:

@@ -20,7 +20,7 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-from envs import EnvUnavailable, Preset, Step, verl_projection
+from envs import EnvUnavailable, Preset, Step, verl_answer, verl_projection
 
 # verl-agent's defaults (examples/*_trainer/run_alfworld.sh); its validation set is in-distribution.
 PRESET = Preset(
@@ -179,6 +179,10 @@ class Env:
         """The game's walkthrough (ALFWorld's expert plan, stored in the game file; it wins)."""
         return list(json.loads(self.game_file(task_id).read_text())["walkthrough"])
 
+    def demonstration(self, task_id: str) -> list[str]:
+        """The expert's whole episode: the reference actions win the game on their own."""
+        return self.reference_actions(task_id)
+
     def close(self) -> None:
         if self._env is not None:
             self._env.close()
@@ -236,3 +240,8 @@ def prompt(task, observation, admissible, history, step_count, history_length) -
 def parse(response: str) -> tuple[str, bool]:
     """verl-agent's ALFWorld projection: the text in <action></action>, else the last 30 chars."""
     return verl_projection(response, tail_chars=30)
+
+
+def answer(thought: str, action: str) -> str:
+    """The answer format parse() reads: <think>thought</think> then <action>action</action>."""
+    return verl_answer(thought, action)

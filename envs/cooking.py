@@ -22,7 +22,7 @@ import re
 import shutil
 from pathlib import Path
 
-from envs import EnvUnavailable, Preset, Step, verl_projection
+from envs import EnvUnavailable, Preset, Step, verl_answer, verl_projection
 
 PRESET = Preset(
     max_steps=30, history_length=2, max_prompt_tokens=2048, max_new_tokens=512,
@@ -190,6 +190,10 @@ class Env:
         path = compile_game(task_id, self.cache).with_suffix(".json")
         return list(json.loads(path.read_text())["metadata"]["walkthrough"])
 
+    def demonstration(self, task_id: str) -> list[str]:
+        """The expert's whole episode: the reference actions win the game on their own."""
+        return self.reference_actions(task_id)
+
     def close(self) -> None:
         if self._env is not None:
             self._env.close()
@@ -253,3 +257,8 @@ def prompt(task, observation, admissible, history, step_count, history_length, t
 def parse(response: str) -> tuple[str, bool]:
     """verl-agent's ALFWorld projection: the text in <action></action>, else the last 30 chars."""
     return verl_projection(response, tail_chars=30)
+
+
+def answer(thought: str, action: str) -> str:
+    """The answer format parse() reads: <think>thought</think> then <action>action</action>."""
+    return verl_answer(thought, action)

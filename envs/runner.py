@@ -74,6 +74,8 @@ def _worker(conn, module_name: str, kwargs: dict) -> None:
             out = [guarded(slot, lambda env, a=a: env.step(a)) for slot, a in payload]
         elif cmd == "reference":
             out = [guarded(-1, lambda env, t=t: env.reference_actions(t)) for t in payload]
+        elif cmd == "demonstration":
+            out = [guarded(-1, lambda env, t=t: env.demonstration(t)) for t in payload]
         elif cmd == "close":
             for env in envs.values():
                 try:
@@ -208,6 +210,11 @@ class EnvRunner:
     def reference_actions(self, task_ids: list[str]) -> list[list[str]]:
         """Expert action sequences, computed in the workers (engines stay out of the trainer)."""
         out = self._spread("reference", task_ids)
+        return [r if isinstance(r, list) else [] for r in out]
+
+    def demonstrations(self, task_ids: list[str]) -> list[list[str]]:
+        """The expert's whole action sequence per task (sft.py's data); [] where there is none."""
+        out = self._spread("demonstration", task_ids)
         return [r if isinstance(r, list) else [] for r in out]
 
     def close(self) -> None:

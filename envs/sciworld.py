@@ -25,7 +25,7 @@ import shutil
 from functools import lru_cache
 from pathlib import Path
 
-from envs import EnvUnavailable, Preset, Step, verl_projection
+from envs import EnvUnavailable, Preset, Step, verl_answer, verl_projection
 
 PRESET = Preset(
     max_steps=100, history_length=2, max_prompt_tokens=4096, max_new_tokens=512,
@@ -186,6 +186,10 @@ class Env:
             self._gold[task_id] = list(sw.get_gold_action_sequence())
         return list(self._gold[task_id])
 
+    def demonstration(self, task_id: str) -> list[str]:
+        """The expert's whole episode: the reference actions win the game on their own."""
+        return self.reference_actions(task_id)
+
     def close(self) -> None:
         if self._sw is not None:
             self._sw.close()
@@ -233,3 +237,8 @@ def prompt(task, observation, admissible, history, step_count, history_length) -
 def parse(response: str) -> tuple[str, bool]:
     """verl-agent's ALFWorld projection (ScienceWorld's parser is case-insensitive)."""
     return verl_projection(response, tail_chars=30)
+
+
+def answer(thought: str, action: str) -> str:
+    """The answer format parse() reads: <think>thought</think> then <action>action</action>."""
+    return verl_answer(thought, action)

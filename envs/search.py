@@ -119,16 +119,25 @@ def task_ids(split: str, data: str | None = None, **_) -> list[str]:
 
 
 @lru_cache(maxsize=None)
-def reference_queries(root: str) -> dict[str, list[str]]:
-    """question -> the search actions of a Search-R1 trajectory that got EM 1 ({root}/trajectories/)."""
+def reference_trajectories(root: str) -> dict[str, list[str]]:
+    """question -> the parsed actions of a Search-R1 trajectory that got EM 1 ({root}/trajectories/):
+    its searches, then the answer that scored."""
     out: dict[str, list[str]] = {}
     for file in sorted((Path(root) / "trajectories").glob("*.json")):
         for item in json.loads(file.read_text()):
             result = item.get("output") or {}
             if (result.get("metric_score") or {}).get("em") == 1:
                 actions = [parse(turn)[0] for turn in model_turns(result["final_response"])]
-                out.setdefault(item["question"].strip(), [a for a in actions if a.startswith("<search>")])
+                answers = [k for k, a in enumerate(actions) if a.startswith("<answer>")]
+                if answers:
+                    kept = [a for a in actions[: answers[0]] if a.startswith("<search>")] + [actions[answers[0]]]
+                    out.setdefault(item["question"].strip(), kept)
     return out
+
+
+def reference_queries(root: str) -> dict[str, list[str]]:
+    """question -> the search actions of a Search-R1 trajectory that got EM 1 (never its answer)."""
+    return {q: [a for a in actions if a.startswith("<search>")] for q, actions in reference_trajectories(root).items()}
 
 
 def model_turns(final_response: str) -> list[str]:
@@ -239,6 +248,11 @@ class Env:
         answer), when {data}/trajectories/ holds one; else none."""
         return list(reference_queries(str(self.root)).get(self._question(task_id)["question"], []))
 
+    def demonstration(self, task_id: str) -> list[str]:
+        """The whole successful Search-R1 trajectory for this question: its searches, then its
+        own final answer (which scored EM 1); none when no trajectory is on disk."""
+        return list(reference_trajectories(str(self.root)).get(self._question(task_id)["question"], []))
+
     def close(self) -> None:
         pass
 
@@ -313,6 +327,12 @@ def parse(response: str) -> tuple[str, bool]:
     if not action or (n_search and n_answer) or n_search > 1 or n_answer > 1:
         valid = False
     return action, valid
+
+
+def answer(thought: str, action: str) -> str:
+    """The answer format parse() reads: <think>thought</think>, then the action, which already
+    carries its own <search> or <answer> tags."""
+    return f"<think>{thought}</think>\n{action}"
 
 
 # ---- retrieval server (BM25) ---------------------------------------------------------------

@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from envs import EnvUnavailable, Preset, Step, verl_projection
+from envs import EnvUnavailable, Preset, Step, verl_answer, verl_projection
 
 # verl-agent's examples/*_trainer/run_webshop.sh: 15 steps, history 2, 4096-token prompts.
 PRESET = Preset(
@@ -170,6 +170,10 @@ class Env:
         return [f"search[{goal['name'].lower()}]", f"click[{goal['asin'].lower()}]",
                 *(f"click[{v}]" for v in values), "click[buy now]"]
 
+    def demonstration(self, task_id: str) -> list[str]:
+        """The expert's whole episode: the reference actions win the game on their own."""
+        return self.reference_actions(task_id)
+
     def close(self) -> None:
         self._engine = None  # the server stays shared for the process's other instances
 
@@ -227,3 +231,8 @@ def prompt(task, observation, admissible, history, step_count, history_length) -
 def parse(response: str) -> tuple[str, bool]:
     """verl-agent's WebShop projection: the text in <action></action>, else the last 20 chars."""
     return verl_projection(response, tail_chars=20)
+
+
+def answer(thought: str, action: str) -> str:
+    """The answer format parse() reads: <think>thought</think> then <action>action</action>."""
+    return verl_answer(thought, action)

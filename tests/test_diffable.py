@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-METHODS = ["gigpo.py", "proas.py", "strata.py", "actguide.py", "pats.py"]
+METHODS = ["gigpo.py", "proas.py", "strata.py", "actguide.py", "pats.py", "sft.py"]
 
 
 def top_level_sources(path: Path) -> dict[str, str]:

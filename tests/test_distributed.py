@@ -79,3 +79,18 @@ def test_method_runs_under_torchrun(tiny_model, tmp_path, method):
     run = only_run(tmp_path)
     assert sorted(read_metrics(run)) == [0, 1]
     assert (run / "checkpoint" / "rng_1.pt").exists()
+
+
+def test_sft_under_torchrun_counts_both_ranks_demonstrations(tiny_model, tmp_path):
+    from test_sft import SFT_FLAGS
+
+    flags = [*SFT_FLAGS, "--num-env-workers", "1", "--epochs", "1"]
+    flags[flags.index("--num-env-workers") + 1] = "1"
+    out = torchrun("sft.py", "--model", tiny_model, *flags, "--output-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = only_run(tmp_path)
+    metrics = read_metrics(run)
+    assert sorted(metrics) == [0, 1]
+    assert metrics[0]["demos/won"] == 2 and metrics[0]["demos/samples"] == 10  # one task per rank, 5 steps each
+    assert metrics[1]["perf/optimizer_steps"] == 3  # ceil(10 / 4): minibatches are the union of both ranks' slices
+    assert (run / "checkpoint" / "rng_1.pt").exists()

