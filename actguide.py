@@ -254,8 +254,9 @@ def hub_offline() -> bool:
         return True
     from urllib.parse import urlsplit
 
-    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
-    url = urlsplit(proxy if proxy and "//" in proxy else f"//{proxy}" if proxy else os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    target = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    target = target or os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    url = urlsplit(target if "//" in target else f"//{target}")  # a proxy may be given as host:port
     try:
         socket.create_connection((url.hostname, url.port or 443), timeout=3).close()
         return False

@@ -229,8 +229,9 @@ def hub_offline() -> bool:
         return True
     from urllib.parse import urlsplit
 
-    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
-    url = urlsplit(proxy if proxy and "//" in proxy else f"//{proxy}" if proxy else os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    target = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    target = target or os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    url = urlsplit(target if "//" in target else f"//{target}")  # a proxy may be given as host:port
     try:
         socket.create_connection((url.hostname, url.port or 443), timeout=3).close()
         return False
@@ -676,7 +677,8 @@ def demonstrations(spec, runner, tokenizer, args: Args, task_ids: list[str]) -> 
     history = [[] for _ in task_ids]
     steps = [[] for _ in task_ids]
     active = [i for i, o in enumerate(obs) if plans[i] and not o.done]
-    for t in progress("demonstrations", max(map(len, plans), default=0), iterable=range(max(map(len, plans), default=0)), unit="steps"):
+    longest = max(map(len, plans), default=0)
+    for t in progress("demonstrations", longest, iterable=range(longest), unit="steps"):
         active = [i for i in active if t < len(plans[i])]
         if not active:
             break
