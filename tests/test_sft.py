@@ -5,6 +5,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import envs
 import grpo
 import sft
 from conftest import SHARED_DATA
-from test_grpo_e2e import REPO, TINY_FLAGS, only_run, read_metrics, run_script
+from test_grpo_e2e import REPO, TINY_FLAGS, logged_steps, only_run, read_metrics, run_script
 
 SFT_FLAGS = [
     "--env", "cooking-easy", "--num-tasks", "2", "--max-steps", "2", "--max-new-tokens", "8", "--num-eval-tasks", "1",
@@ -86,15 +87,21 @@ def test_sft_trains_checkpoints_resumes_and_warm_starts_grpo_and_proas(tiny_mode
     assert [s["step"] for s in steps] == list(range(6)) and {s["lr"] for s in steps} == {1e-3}
     assert sum(s["losses/nll"] for s in steps[:3]) / 3 == pytest.approx(metrics[1]["losses/nll"], rel=0.2)
 
-    # stop after 1 epoch, resume to 2: epoch 2 must equal the straight run's
+    # stop after 1 epoch (run B), resume to 2: epoch 2 must equal the straight run's. The resume is of
+    # run A with run B's checkpoint: a kill during epoch 2's save, after epoch 2 was logged. Those rows
+    # are dropped and redone once, in metrics.jsonl, steps.jsonl and both TensorBoard axes.
     first = run_script("sft.py", "--model", tiny_model, *flags, "--epochs", "1", "--output-dir", str(tmp_path / "b"))
     assert first.returncode == 0, first.stderr[-3000:]
-    run_b = only_run(tmp_path / "b")
-    resumed = run_script("sft.py", "--resume", str(run_b), "--epochs", "2")
+    shutil.rmtree(run_a / "checkpoint")
+    shutil.copytree(only_run(tmp_path / "b") / "checkpoint", run_a / "checkpoint")
+    resumed = run_script("sft.py", "--resume", str(run_a), "--epochs", "2")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "at epoch 1" in resumed.stdout
-    resumed_metrics = read_metrics(run_b)
-    assert resumed_metrics[2]["losses/nll"] == pytest.approx(metrics[2]["losses/nll"], rel=1e-5)
+    assert f"resumed {run_a} at epoch 1" in resumed.stdout
+    rows = [json.loads(line) for line in (run_a / "metrics.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in rows] == [0, 1, 2]
+    assert rows[2]["losses/nll"] == pytest.approx(metrics[2]["losses/nll"], rel=1e-5)
+    assert [json.loads(line)["step"] for line in (run_a / "steps.jsonl").read_text().splitlines()] == list(range(6))
+    assert logged_steps(run_a, "losses/nll") == [1, 2] and logged_steps(run_a / "steps", "losses/nll_step") == list(range(6))
 
     model = run_a / "checkpoint" / "model"
     for script in ("grpo.py", "proas.py"):
