@@ -60,7 +60,7 @@ import shutil
 import socket
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Literal, Optional
@@ -112,6 +112,11 @@ class Args:
     """tasks per iteration; each is one group"""
     group_size: int = 8
     """episodes per task (the group of the group-relative baseline)"""
+    filter_groups: bool = False
+    """DAPO's dynamic sampling: drop the groups whose episodes all won or all lost, play more tasks until
+    num_tasks groups are kept (or --max-filter-rounds is reached: then train on what was kept)"""
+    max_filter_rounds: int = 9
+    """extra rollout rounds --filter-groups may play in one iteration (verl's max_num_gen_batches 10 = 1 + 9)"""
     total_iterations: int = 150
     """number of rollout + update iterations"""
     max_steps: Optional[int] = None
@@ -138,7 +143,9 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient-norm clipping"""
     clip_eps: float = 0.2
-    """PPO ratio clip"""
+    """PPO ratio clip: the ratio is kept in [1 - clip_eps, 1 + clip_eps_high]"""
+    clip_eps_high: Optional[float] = None
+    """upper ratio clip (DAPO's clip-higher: 0.28; default: --clip-eps, the symmetric PPO clip)"""
     dual_clip: float = 3.0
     """dual-clip bound c for negative advantages (verl's clip_ratio_c)"""
     kl_coef: float = 0.01
@@ -248,6 +255,9 @@ def resolve_args(args: Args, spec) -> Args:
         fail("--num-tasks, --max-steps and --max-new-tokens must be positive")
     if args.temperature <= 0:
         fail(f"--temperature must be positive (training log-probs divide the logits by it), got {args.temperature}")
+    args.clip_eps_high = args.clip_eps if args.clip_eps_high is None else args.clip_eps_high
+    if args.clip_eps <= 0 or args.clip_eps_high <= 0 or args.max_filter_rounds < 0:
+        fail("--clip-eps and --clip-eps-high must be positive and --max-filter-rounds non-negative")
     if args.probe_episodes < 1 or args.max_probe_rounds < 0 or (args.fixed_k is not None and args.fixed_k < 0):  # ALGO LOGIC
         fail("--probe-episodes must be positive, --max-probe-rounds and --fixed-k not negative")
     return args
@@ -604,6 +614,17 @@ def episode_stats(e: Episode) -> dict:
             "crashed": e.crashed, "task_type": e.task_type}
 
 
+def informative_groups(episodes: list[Episode], share: int) -> tuple[list[Episode], int]:
+    """DAPO's dynamic-sampling filter: the episodes of the first `share` groups (in play order) whose
+    episode rewards R_i are not all equal, and how many groups that is. A group that all won or all lost
+    has s_{i,t} - mean = 0 but for the invalid penalty: its outcome teaches nothing."""
+    outcomes = defaultdict(set)
+    for e in episodes:
+        outcomes[e.group].add(e.won)
+    kept = [g for g in dict.fromkeys(e.group for e in episodes) if len(outcomes[g]) > 1][:share]
+    return [e for e in episodes if e.group in kept], len(kept)
+
+
 def episode_metrics(stats: list[dict], success_reward: float, prefix: str) -> dict:
     """Success rate (overall and per task type), return, length, invalid-action rate."""
     steps = sum(s["length"] for s in stats)
@@ -838,12 +859,13 @@ def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tok
     return torch.cat(logps), torch.cat(entropies)
 
 
-def ppo_clip_loss(logp, old_logp, advantages, clip_eps: float, dual_clip: float):
+def ppo_clip_loss(logp, old_logp, advantages, clip_eps: float, dual_clip: float, clip_eps_high: Optional[float] = None):
     """Per-token PPO-clip loss with dual clip (verl's compute_policy_loss) and the clipped flags.
-    L = max(-A r, -A clip(r, 1-eps, 1+eps)); for A < 0 the loss is capped at -A c."""
+    L = max(-A r, -A clip(r, 1-eps, 1+eps_high)); for A < 0 the loss is capped at -A c. eps_high > eps is
+    DAPO's clip-higher (a rare token of a positive step may grow further); None: eps_high = eps."""
     ratio = torch.exp(logp - old_logp)
     loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
+    loss_clipped = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + (clip_eps if clip_eps_high is None else clip_eps_high))
     loss = torch.maximum(loss_unclipped, loss_clipped)
     loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
     return loss, (loss_clipped > loss_unclipped).float()
@@ -937,7 +959,7 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
                 for i, mine in zip(idx, logp.detach().split([len(responses[i]) for i in idx])):
                     old_logps.setdefault(i, mine)  # first minibatch of the first epoch: pi_old, kept for later epochs
                 old = torch.cat([old_logps[i].to(device) for i in idx])
-                pg_loss, clipped = ppo_clip_loss(logp, old, adv, args.clip_eps, args.dual_clip)
+                pg_loss, clipped = ppo_clip_loss(logp, old, adv, args.clip_eps, args.dual_clip, args.clip_eps_high)
                 loss = pg_loss - args.entropy_coef * entropy
                 if ref_logps is not None:
                     kl = kl_k3(logp, torch.cat([ref_logps[i] for i in idx]).to(device))
@@ -1269,22 +1291,32 @@ if __name__ == "__main__":
         iterations = range(start_iteration + 1, args.total_iterations + 1)
         for iteration in progress(args.exp_name, args.total_iterations, leave=True, iterable=iterations, initial=start_iteration, unit="iterations"):
             iteration_start = time.perf_counter()
-            # ROLLOUT: num_tasks groups of group_size episodes, each group on one task; this rank plays my_groups
-            tasks = task_rng.choice(len(train_tasks), args.num_tasks, replace=len(train_tasks) < args.num_tasks)
-            episodes = [Episode(train_tasks[tasks[group]], group) for group in my_groups for _ in range(args.group_size)]
-            # ALGO LOGIC: the unguided rollout (none with --guidance always), then the hard groups re-rolled under guidance
-            timing = rollout(spec, runner, tokenizer, generate, args, episodes, args.temperature, "rollout") if args.guidance != "always" else {"gen_s": 0.0, "env_s": 0.0, "gen_tokens": 0}
-            won, played = all_reduce([sum(e.won for e in episodes), len(episodes)])
-            guide_metrics = {"actguide/unguided_success_rate": won / max(played, 1)} if args.guidance != "always" else {}
-            if args.guidance != "off":
-                episodes, more = guide_groups(spec, runner, tokenizer, generate, args, episodes, timing)
-                guide_metrics.update(more)
-                for key in ("probe_episodes", "gen_tokens_probes", "gen_tokens_reroll"):  # run totals (survive --resume)
-                    method_state[key] = method_state.get(key, 0.0) + more[f"actguide/{key}"]
-                    guide_metrics[f"actguide/{key}_total"] = method_state[key]
+            # ROLLOUT: num_tasks groups of group_size episodes, each group on one task; this rank plays my_groups.
+            # --filter-groups (DAPO's dynamic sampling) trains on informative groups only: it plays rounds of
+            # num_tasks more tasks until num_tasks groups are kept or --max-filter-rounds extra rounds are spent
+            played, timing = [], Counter()
+            for filter_round in range(1 + args.max_filter_rounds * args.filter_groups):
+                tasks = task_rng.choice(len(train_tasks), args.num_tasks, replace=len(train_tasks) < args.num_tasks)
+                new = [Episode(train_tasks[tasks[group]], filter_round * args.num_tasks + group) for group in my_groups for _ in range(args.group_size)]
+                # ALGO LOGIC: the unguided rollout (none with --guidance always), then the hard groups re-rolled under
+                # guidance (before the filter: a guided group that now wins sometimes is informative); metrics of the last round
+                if args.guidance != "always":
+                    timing.update(rollout(spec, runner, tokenizer, generate, args, new, args.temperature, "rollout"))
+                won, num_played = all_reduce([sum(e.won for e in new), len(new)])
+                guide_metrics = {"actguide/unguided_success_rate": won / max(num_played, 1)} if args.guidance != "always" else {}
+                if args.guidance != "off":
+                    new, more = guide_groups(spec, runner, tokenizer, generate, args, new, timing)
+                    guide_metrics.update(more)
+                    for key in ("probe_episodes", "gen_tokens_probes", "gen_tokens_reroll"):  # run totals (survive --resume)
+                        method_state[key] = method_state.get(key, 0.0) + more[f"actguide/{key}"]
+                        guide_metrics[f"actguide/{key}_total"] = method_state[key]
+                if crashed := envs.most_crashed([e.crashed for e in new]):
+                    fail(crashed)
+                played += new
+                episodes, kept = informative_groups(played, len(my_groups)) if args.filter_groups else (played, 0)
+                if not args.filter_groups or all_reduce([kept])[0] >= args.num_tasks:
+                    break
             rollout_s = time.perf_counter() - iteration_start
-            if crashed := envs.most_crashed([e.crashed for e in episodes]):
-                fail(crashed)
 
             # ALGO LOGIC: the method, from the played episodes to the samples and advantages trained on
             prompts, responses, advantages, unguided_prompts, algo_metrics = training_batch(episodes, args)
@@ -1293,8 +1325,9 @@ if __name__ == "__main__":
             # the update (ALGO LOGIC: update_policy trains each guided sample on its prompt without g_k)
             if llm is not None and args.vllm_sleep:
                 llm.sleep(level=1)
+            trained = all_reduce([len(prompts)])[0] > 0  # none when --filter-groups kept no group at its cap
             metrics = update_policy(model, ref_model, optimizer, prompts, responses, advantages, args,
-                                    tokenizer.pad_token_id, autocast, update_generator, unguided_prompts)
+                                    tokenizer.pad_token_id, autocast, update_generator, unguided_prompts) if trained else {}
             if llm is not None:
                 sync_vllm_weights(llm, model, args.vllm_sleep)
             elif plain_model is not model:
@@ -1302,7 +1335,10 @@ if __name__ == "__main__":
 
             # TRY NOT TO MODIFY: what the iteration achieved and cost
             metrics.update(algo_metrics)
-            metrics.update(episode_metrics(all_gather_objects([episode_stats(e) for e in episodes]), args.success_reward, "charts"))
+            metrics.update(episode_metrics(all_gather_objects([episode_stats(e) for e in played]), args.success_reward, "charts"))
+            if args.filter_groups:
+                metrics.update({"filter/rounds": filter_round + 1, "filter/informative_groups": all_reduce([kept])[0],
+                                "filter/skipped_update": float(not trained)})
             totals = all_reduce([np.abs(advantages).sum(), len(prompts), sum(map(len, prompts)),
                                  sum(map(len, responses)), timing["gen_tokens"]])
             metrics.update({

@@ -10,6 +10,9 @@ of positive trajectories (MUI) and spread the penalty of negative ones by future
 
 Paper setting (Qwen2.5-1.5B-Instruct, 16 tasks x 8 episodes, 150 iterations):
     python proas.py --model Qwen2.5-1.5B-Instruct --env alfworld
+DAPO+ProAS (Table 1: WebShop 1.5B 66.7% SR; DAPO alone 57.3%), DAPO being grpo.py's flags:
+    python proas.py --model Qwen2.5-1.5B-Instruct --env webshop --clip-eps-high 0.28 --filter-groups --kl-coef 0
+(interpretation: the groups --filter-groups drops are neither trained on nor grown into the graphs.)
 Offline, any machine:
     python proas.py --model <hub id or local folder> --env cooking
 
@@ -26,8 +29,12 @@ Ablations (the paper's Table 2, Qwen2.5-1.5B, ALFWorld success; the paper's numb
     --arg-random-labels         Table 2b, random labels: 47.7 (39.3 below)
 Other paper numbers: 41.6% (ALFWorld) / 39.6% (WebShop) of the steps of GRPO's successful trajectories
 are unreasonable (our `proas/masked_frac`); 93.1% / 76.1% of the steps of failed ones are
-non-advancing; WebShop 7B GRPO+ProAS 70.8% SR; GiGPO+ProAS 91.9% (1.5B ALFWorld, not built here: fork
-gigpo.py); wall-clock about equal to GRPO.
+non-advancing; WebShop 7B GRPO+ProAS 70.8% SR; wall-clock about equal to GRPO.
+GiGPO+ProAS (Table 1: ALFWorld 91.9% at 1.5B, 94.3% at 7B; WebShop 1.5B 66.7%), GiGPO's knobs as in gigpo.py:
+    python proas.py --model Qwen2.5-1.5B-Instruct --env alfworld --base gigpo
+    python proas.py --model Qwen2.5-1.5B-Instruct --env webshop --base gigpo --step-norm mean
+Not built: Table 2b's distilled graph (graphs seeded from a 7B teacher's winning rollouts on 2,566 tasks: 83.6% /
+64.8%); here every graph starts from the env's reference actions.
 
 Where the paper is silent, our choices (interpretation):
 - abstract state = the env adapter's `project_state` (facts about the entities the goal and the
@@ -37,9 +44,23 @@ Where the paper is silent, our choices (interpretation):
   a step whose output was malformed is never reasonable;
 - interpretation: T of APR = the trajectory's non-advancing steps (PA_t = 0) (`--apr-set all`: every
   step); eps = 1e-6; advancing steps of a negative trajectory keep A;
-- interpretation: Eq. 7's sign condition is taken per step sample (the sign of A_{i,t}), where the paper
-  writes the trajectory's A_i; they differ when the invalid penalty moves a step's score across its
-  group's mean;
+- Eq. 7's condition is the sign of the trajectory's A_i (the paper; `--advantage-sign trajectory`), and the
+  value shaped is each step's own A_{i,t} (the base method's, the invalid penalty or GiGPO's A^S included).
+  interpretation: A_i = (R_i - mean_g) / (std_g + eps) with grpo.py's statistics of the group's step samples:
+  the advantage of the trajectory's valid steps (SPEC 4.6). `--advantage-sign step` takes each step's own sign
+  instead; `proas/sign_disagree_frac` logs how often they differ. They differ where the penalty (or A^S) moves a
+  step across 0, most visibly in a group where no episode won: there R_i = 0 for all, a malformed step pulls
+  the group mean below 0, so every A_i > 0. The trajectory reading then applies MUI everywhere: A~ = Re_t *
+  A_{i,t}, which zeroes the malformed steps (never reasonable) and so drops the invalid penalty, and keeps the
+  small positive A_{i,t} of the reasonable valid steps. The step reading sends the malformed steps (A_{i,t} < 0)
+  to APR, keeping their penalty weighted by drift, and MUI-masks the valid ones as above;
+- interpretation (GiGPO+ProAS, `--base gigpo`; the paper gives no rule beyond Eq. 7): Eq. 7 shapes GiGPO's
+  A_{i,t} = A^E_i + w A^S_{i,t}, its case chosen by the sign of A_i, which is the sign of the episode-level
+  part A^E_i. So MUI zeroes A^S too on unreasonable steps of a positive trajectory, and APR weights a negative
+  trajectory's steps, a step whose A^S lifts it above 0 included (its positive value is scaled by the weight);
+- WebShop (SPEC 7.1, the paper's Table 10): each task's graph holds its option clicks in every order (the
+  adapter's `reference_variants`), every `search[...]` is one graph action (`project_action`), and a search or
+  results page is its page kind alone (`project_state`), so other search words reach the same state class;
 - interpretation: `--shaping msk` (the paper names the naive-mask ablation without its rule) keeps MUI for
   A > 0, and for A < 0 the plain A on non-advancing steps and 0 on advancing ones;
 - evaluation runs every `--eval-every` 5 iterations (the repo's default); the paper evaluates every 10
@@ -65,9 +86,10 @@ import socket
 import sys
 import time
 import zlib  # ALGO LOGIC: per-task seeds of --arg-edge-drop
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from difflib import SequenceMatcher  # ALGO LOGIC: GiGPO's --similarity-thresh (--base gigpo)
 from typing import Literal, Optional
 
 import numpy as np
@@ -117,6 +139,11 @@ class Args:
     """tasks per iteration; each is one group"""
     group_size: int = 8
     """episodes per task (the group of the group-relative baseline)"""
+    filter_groups: bool = False
+    """DAPO's dynamic sampling: drop the groups whose episodes all won or all lost, play more tasks until
+    num_tasks groups are kept (or --max-filter-rounds is reached: then train on what was kept)"""
+    max_filter_rounds: int = 9
+    """extra rollout rounds --filter-groups may play in one iteration (verl's max_num_gen_batches 10 = 1 + 9)"""
     total_iterations: int = 150
     """number of rollout + update iterations"""
     max_steps: Optional[int] = None
@@ -143,7 +170,9 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient-norm clipping"""
     clip_eps: float = 0.2
-    """PPO ratio clip"""
+    """PPO ratio clip: the ratio is kept in [1 - clip_eps, 1 + clip_eps_high]"""
+    clip_eps_high: Optional[float] = None
+    """upper ratio clip (DAPO's clip-higher: 0.28; default: --clip-eps, the symmetric PPO clip)"""
     dual_clip: float = 3.0
     """dual-clip bound c for negative advantages (verl's clip_ratio_c)"""
     kl_coef: float = 0.01
@@ -210,6 +239,21 @@ class Args:
     """fraction of each initial graph's edges removed at random (Table 2b, 0.4)"""
     arg_random_labels: bool = False
     """permute the (Re, PA) labels over the iteration's steps (Table 2b random labels)"""
+    advantage_sign: Literal["trajectory", "step"] = "trajectory"
+    """Eq. 7's condition: the sign of the trajectory's A_i (the paper), or of each step sample's own A_{i,t}"""
+    base: Literal["grpo", "gigpo"] = "grpo"
+    """the advantages shaped: grpo.py's, or gigpo.py's A^E + w * A^S (Table 1's GiGPO+ProAS)"""
+    # GiGPO's knobs with --base gigpo (gigpo.py's fields and defaults)
+    gamma: float = 0.95
+    """discount of the step returns G_t = r_t + gamma * G_{t+1} (GiGPO Eq. 5)"""
+    step_advantage_w: float = 1.0
+    """weight w of the step advantage in A = A^E + w * A^S (Eq. 8); 0 reproduces grpo.py"""
+    step_norm: Literal["mean_std", "mean"] = "mean_std"
+    """anchor-group normalisation: mean_std (ALFWorld) or mean (WebShop): (G - mean) [/ (std + eps)]"""
+    episode_norm: Optional[Literal["mean_std", "mean"]] = None
+    """episode-level normalisation (default: the same as --step-norm, as verl-agent's single `mode`)"""
+    similarity_thresh: Optional[float] = None
+    """group near-identical anchors (difflib ratio >= thresh, e.g. 0.9) instead of identical ones only"""
 
     # to be filled in runtime
     run_name: str = ""
@@ -261,6 +305,15 @@ def resolve_args(args: Args, spec) -> Args:
         fail("--num-tasks, --max-steps and --max-new-tokens must be positive")
     if args.temperature <= 0:
         fail(f"--temperature must be positive (training log-probs divide the logits by it), got {args.temperature}")
+    args.clip_eps_high = args.clip_eps if args.clip_eps_high is None else args.clip_eps_high
+    if args.clip_eps <= 0 or args.clip_eps_high <= 0 or args.max_filter_rounds < 0:
+        fail("--clip-eps and --clip-eps-high must be positive and --max-filter-rounds non-negative")
+    # ALGO LOGIC: GiGPO's knobs (--base gigpo), as gigpo.py checks them
+    args.episode_norm = args.episode_norm or args.step_norm
+    if not 0 <= args.gamma <= 1:
+        fail(f"--gamma must be in [0, 1] (got {args.gamma})")
+    if args.similarity_thresh is not None and not 0 < args.similarity_thresh < 1:
+        fail(f"--similarity-thresh must be in (0, 1) (got {args.similarity_thresh})")
     return args
 
 
@@ -605,6 +658,17 @@ def episode_stats(e: Episode) -> dict:
             "crashed": e.crashed, "task_type": e.task_type}
 
 
+def informative_groups(episodes: list[Episode], share: int) -> tuple[list[Episode], int]:
+    """DAPO's dynamic-sampling filter: the episodes of the first `share` groups (in play order) whose
+    episode rewards R_i are not all equal, and how many groups that is. A group that all won or all lost
+    has s_{i,t} - mean = 0 but for the invalid penalty: its outcome teaches nothing."""
+    outcomes = defaultdict(set)
+    for e in episodes:
+        outcomes[e.group].add(e.won)
+    kept = [g for g in dict.fromkeys(e.group for e in episodes) if len(outcomes[g]) > 1][:share]
+    return [e for e in episodes if e.group in kept], len(kept)
+
+
 def episode_metrics(stats: list[dict], success_reward: float, prefix: str) -> dict:
     """Success rate (overall and per task type), return, length, invalid-action rate."""
     steps = sum(s["length"] for s in stats)
@@ -656,6 +720,74 @@ def flatten_turns(episodes: list[Episode], success_reward: float):
     return turns, np.array(groups), np.array(rewards, dtype=np.float64), np.array(invalid, dtype=bool)
 
 
+# ALGO LOGIC: --base gigpo: gigpo.py's step returns, anchor groups and two-level advantage (same names and text)
+def flatten_steps(episodes: list[Episode], success_reward: float):
+    """Per step sample (flatten_turns' order): its trajectory index, env reward r_t
+    (success_reward on the winning step, else 0) and anchor observation."""
+    trajectories, env_rewards, anchors = [], [], []
+    for k, e in enumerate(episodes):
+        for t, turn in enumerate(e.turns):
+            trajectories.append(k)
+            env_rewards.append(success_reward * float(e.won and t == len(e.turns) - 1))
+            anchors.append(turn.observation)
+    return np.array(trajectories), np.array(env_rewards, dtype=np.float64), anchors
+
+
+def discounted_returns(env_rewards: np.ndarray, trajectories: np.ndarray, gamma: float) -> np.ndarray:
+    """GiGPO Eq. 5: G_t = r_t + gamma * G_{t+1} within each trajectory (its samples in time order)."""
+    returns = np.zeros_like(env_rewards, dtype=np.float64)
+    for k in np.unique(trajectories):
+        running = 0.0
+        for i in np.flatnonzero(trajectories == k)[::-1]:
+            running = env_rewards[i] + gamma * running
+            returns[i] = running
+    return returns
+
+
+def anchor_groups(anchors: list[str], groups: np.ndarray, similarity_thresh: Optional[float] = None) -> np.ndarray:
+    """GiGPO Eq. 6: inside each task group g, steps whose anchor state is identical share a step
+    group; with a threshold, an anchor joins the first group whose first member (representative)
+    has difflib ratio >= thresh (verl-agent's enable_similarity). Returns a step-group id per sample."""
+    def similar(obs: str, rep: str) -> bool:  # the two quick ratios bound ratio() from above: same answer, faster
+        m = SequenceMatcher(None, obs, rep)
+        return m.real_quick_ratio() >= similarity_thresh and m.quick_ratio() >= similarity_thresh and m.ratio() >= similarity_thresh
+
+    ids = np.zeros(len(anchors), dtype=np.int64)
+    seen, reps = {}, defaultdict(list)  # (task group, text) -> id; task group -> [(representative, id)]
+    for i, (g, obs) in enumerate(zip(groups.tolist(), anchors)):
+        if (g, obs) not in seen:  # identical texts always land together, so each text is placed once
+            found = next((a for rep, a in reps[g] if similar(obs, rep)), None) if similarity_thresh is not None else None
+            if found is None:
+                found = len(seen)
+                reps[g].append((obs, found))
+            seen[(g, obs)] = found
+        ids[i] = seen[(g, obs)]
+    return ids
+
+
+def episode_advantages(scores: np.ndarray, groups: np.ndarray, norm: str, eps: float = 1e-6) -> np.ndarray:
+    """GiGPO Eq. 3 (verl-agent episode_norm_reward, over all step samples of the task group):
+    mean_std: A^E = (s - mean_g) / (std_g + eps), exactly grpo_advantages; mean: A^E = s - mean_g
+    (a group with one sample gets mean 0)."""
+    if norm == "mean_std":
+        return grpo_advantages(scores, groups, eps)
+    means = {g: (scores[groups == g].mean() if (groups == g).sum() > 1 else 0.0) for g in np.unique(groups)}
+    return scores - np.array([means[g] for g in groups.tolist()])
+
+
+def step_advantages(step_returns: np.ndarray, step_groups: np.ndarray, norm: str, eps: float = 1e-6) -> np.ndarray:
+    """GiGPO Eq. 7 (verl-agent step_norm_reward): A^S = (G~ - mean_a) / (std_a + eps) (mean_std) or
+    G~ - mean_a (mean) over anchor group a, unbiased std; G~_t = G_t - penalty * invalid_t. A
+    singleton anchor group is its own mean: A^S = 0."""
+    advantages = np.zeros_like(step_returns, dtype=np.float64)
+    for a in np.unique(step_groups):
+        members = step_groups == a
+        r = step_returns[members]
+        std = r.std(ddof=1) if len(r) > 1 else 1.0
+        advantages[members] = (r - r.mean()) / (std + eps) if norm == "mean_std" else r - r.mean()
+    return advantages
+
+
 # ----------------------------------------------------------------------------------------------
 # ALGO LOGIC: ProAS. Agent reference graph (ARG) per task, step labels Re/PA, future drift D, Eq. 7
 # A graph is {"task", "reference_actions", "vertices": {s}, "edges": {(s, a, s')}}, s = projected state.
@@ -705,17 +837,19 @@ def future_drift(pa: np.ndarray) -> np.ndarray:
     return np.cumsum((1 - np.asarray(pa, dtype=np.float64))[::-1])[::-1]
 
 
-def proas_shape(adv, re, pa, shaping: str = "proas", apr_set: str = "nonadvancing", eps: float = 1e-6):
-    """Eq. 7 on the advantages A_{i,t} of one trajectory's steps (interpretation: the sign of each step's
-    A_{i,t} decides, not the trajectory's A_i; the msk rule is ours):
-    A > 0: A~ = Re_t * A (MUI);  A < 0, t in T: A~ = D_{i,t} / (mean_{t in T} D_{i,t} + eps) * A (APR);
-    else A~ = A. T = non-advancing steps (PA_t = 0) or all. Ablations: no-mui, no-apr, msk (A<0: 0 on
-    advancing steps), suffix (D_{i,t} -> |tau_i| - t + 1). Returns (A~, APR weight or nan per step)."""
+def proas_shape(adv, re, pa, shaping: str = "proas", apr_set: str = "nonadvancing", eps: float = 1e-6, a_i=None):
+    """Eq. 7 on the advantages A_{i,t} of one trajectory's steps, its case chosen by the sign of the
+    trajectory's A_i (`a_i`, the paper) or, with a_i None, of each step's own A_{i,t} (--advantage-sign step):
+    A_i > 0: A~ = Re_t * A_{i,t} (MUI);  A_i < 0, t in T: A~ = D_{i,t} / (mean_{t in T} D_{i,t} + eps) * A_{i,t}
+    (APR); else A~ = A_{i,t}. T = non-advancing steps (PA_t = 0) or all. Ablations: no-mui, no-apr, msk
+    (A_i<0: 0 on advancing steps; the rule is ours), suffix (D_{i,t} -> |tau_i| - t + 1).
+    Returns (A~, APR weight or nan per step)."""
     adv, re, pa = (np.asarray(x, dtype=np.float64) for x in (adv, re, pa))
     shaped, weights = adv.copy(), np.full(len(adv), np.nan)
     if shaping in ("none", "pr"):
         return shaped, weights
-    pos, neg = adv > 0, adv < 0
+    sign = adv if a_i is None else np.full(len(adv), float(a_i))
+    pos, neg = sign > 0, sign < 0
     if shaping != "no-mui":
         shaped[pos] = re[pos] * adv[pos]
     if shaping == "msk":
@@ -736,15 +870,32 @@ def progress_per_step(lengths: list[int], labels: list) -> np.ndarray:
     return np.concatenate([np.zeros(n) if lab is None else lab[1] for n, lab in zip(lengths, labels)] + [np.zeros(0)])
 
 
-def proas_advantages(advantages, lengths: list[int], labels: list, shaping: str, apr_set: str, eps: float):
+def trajectory_advantages(episode_rewards: np.ndarray, episode_groups: np.ndarray, scores: np.ndarray,
+                          groups: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """Interpretation (SPEC 4.6), the trajectory's A_i of Eq. 7: A_i = (R_i - mean_g) / (std_g + eps) with
+    grpo_advantages' statistics of its group g (all step samples' scores s_{i,t}, penalties included): the
+    advantage of each of its valid steps, defined also when it has none. Its sign is that of GiGPO's
+    episode-level A^E_i in both normalisations, so --base gigpo takes the same A_i. Per episode."""
+    a_i = np.zeros(len(episode_rewards), dtype=np.float64)
+    for g in np.unique(episode_groups):
+        s = scores[groups == g]
+        if len(s):
+            mean, std = (0.0, 1.0) if len(s) == 1 else (s.mean(), s.std(ddof=1))
+            a_i[episode_groups == g] = (episode_rewards[episode_groups == g] - mean) / (std + eps)
+    return a_i
+
+
+def proas_advantages(advantages, lengths: list[int], labels: list, shaping: str, apr_set: str, eps: float, a_i=None):
     """Eq. 7 per trajectory on the base method's advantages A_{i,t} (one per step sample, in flatten_turns
-    order). `lengths[i]` and `labels[i]` (Re, PA arrays, or None for a task without a graph: its steps stay
-    unshaped) are per episode. Returns (A~, APR weight or nan per step sample)."""
+    order). `lengths[i]`, `labels[i]` (Re, PA arrays, or None for a task without a graph: its steps stay
+    unshaped) and `a_i[i]` (the trajectory's A_i; None: each step's sign decides) are per episode.
+    Returns (A~, APR weight or nan per step sample)."""
     shaped, weights, start = np.array(advantages, dtype=np.float64), np.full(len(advantages), np.nan), 0
-    for n, lab in zip(lengths, labels):
+    for k, (n, lab) in enumerate(zip(lengths, labels)):
         if lab is not None:
             piece = slice(start, start + n)
-            shaped[piece], weights[piece] = proas_shape(advantages[piece], *lab, shaping, apr_set, eps)
+            shaped[piece], weights[piece] = proas_shape(advantages[piece], *lab, shaping, apr_set, eps,
+                                                        None if a_i is None else a_i[k])
         start += n
     return shaped, weights
 
@@ -765,12 +916,21 @@ def replay_reference(spec, runner, task_ids: list[str], edge_drop: float = 0.0, 
         if not (obs[i].won and not obs[i].crashed and plans[i]):
             graphs[task_id] = None
             continue
-        states = [spec.project_state(s, obs[i].task, plans[i]) for s in raw[i]]
-        graphs[task_id] = {"task": obs[i].task, "reference_actions": plans[i], "vertices": {states[0]}, "edges": set()}
-        grow_graph(graphs[task_id], purify(states, plans[i][: len(states) - 1], [True] * (len(states) - 1)))
+        graphs[task_id] = reference_graph(spec, obs[i].task, plans[i], raw[i])
         if edge_drop > 0:
             drop_edges(graphs[task_id], edge_drop, zlib.crc32(f"{seed}:{task_id}".encode()))
     return graphs
+
+
+def reference_graph(spec, task: str, plan: list[str], raw_states: list) -> dict:
+    """G^(0) of a task from its winning reference replay (raw states s_0..s_T): the purified transitions
+    between projected states and actions, plus the adapter's variants of them (WebShop: every order of
+    the option clicks)."""
+    states = [spec.project_state(s, task, plan) for s in raw_states]
+    graph = {"task": task, "reference_actions": plan, "vertices": {states[0]}, "edges": set()}
+    transitions = purify(states, [spec.project_action(a) for a in plan[: len(states) - 1]], [True] * (len(states) - 1))
+    grow_graph(graph, transitions + spec.reference_variants(transitions))
+    return graph
 
 
 def episode_states(spec, graph: dict, episode) -> list:
@@ -783,7 +943,8 @@ def label_then_grow(spec, graphs: dict, episodes: list, edge_match: str, grow: b
     """Labels (Re, PA) of iteration k from G^(k), per episode (None: no graph or no step); only then
     G^(k+1) = G^(k) U the purified transitions of the won episodes (strict union). Returns (labels, new edges)."""
     states = [episode_states(spec, graphs[e.task_id], e) if graphs.get(e.task_id) and e.turns else None for e in episodes]
-    actions, valid = [[t.action for t in e.turns] for e in episodes], [[t.valid for t in e.turns] for e in episodes]
+    actions = [[spec.project_action(t.action) for t in e.turns] for e in episodes]
+    valid = [[t.valid for t in e.turns] for e in episodes]
     labels = [None if st is None else step_labels(graphs[e.task_id], st, a, v, edge_match) for e, st, a, v in zip(episodes, states, actions, valid)]
     added = sum(grow_graph(graphs[e.task_id], purify(st, a, v)) for e, st, a, v in zip(episodes, states, actions, valid)
                 if grow and e.won and not e.crashed and st is not None)
@@ -856,13 +1017,26 @@ def training_batch(spec, runner, episodes: list[Episode], graphs: dict, args: Ar
     lengths = [len(e.turns) for e in episodes]
     if args.shaping == "pr":
         scores = scores + args.progress_reward_coef * progress_per_step(lengths, labels)
-    baseline = grpo_advantages(scores, sample_groups)
-    advantages, apr_weights = proas_advantages(baseline, lengths, labels, args.shaping, args.apr_set, args.apr_eps)
+    if args.base == "gigpo":  # gigpo.py's training_batch: A = A^E + w * A^S
+        trajectories, env_rewards, anchors = flatten_steps(episodes, args.success_reward)
+        step_returns = step_scores(discounted_returns(env_rewards, trajectories, args.gamma), invalid, args.invalid_penalty)
+        step_adv = step_advantages(step_returns, anchor_groups(anchors, sample_groups, args.similarity_thresh), args.step_norm)
+        baseline = episode_advantages(scores, sample_groups, args.episode_norm) + args.step_advantage_w * step_adv
+    else:
+        baseline = grpo_advantages(scores, sample_groups)
+    a_i = trajectory_advantages(np.array([args.success_reward * float(e.won) for e in episodes]),
+                                np.array([e.group for e in episodes]), scores, sample_groups)
+    advantages, apr_weights = proas_advantages(baseline, lengths, labels, args.shaping, args.apr_set, args.apr_eps,
+                                               a_i if args.advantage_sign == "trajectory" else None)
+    # how often the two readings of Eq. 7's sign disagree on a step sample (the invalid penalty, or A^S, flips it)
+    disagree = all_reduce([np.sum(np.sign(np.repeat(a_i, lengths)) != np.sign(baseline)), len(baseline)])
     # the labels and both advantages of every rank
-    won, task_ids, all_labels = zip(*all_gather_objects([(e.won, e.task_id, lab) for e, lab in zip(episodes, labels)]))
+    rows = all_gather_objects([(e.won, e.task_id, lab) for e, lab in zip(episodes, labels)])
+    won, task_ids, all_labels = zip(*rows) if rows else ((), (), ())  # none: --filter-groups kept no group
     gathered = (np.array(all_gather_objects(list(x)), dtype=np.float64) for x in (baseline, advantages, apr_weights))
     metrics = proas_metrics(won, task_ids, all_labels, *gathered, graphs)
     metrics["proas/graph_edges_added"] = all_reduce([edges_added])[0]
+    metrics["proas/sign_disagree_frac"] = disagree[0] / max(disagree[1], 1)
     metrics["perf/proas_s"] = time.perf_counter() - start
     return [t.prompt_ids for t in turns], [t.response_ids for t in turns], advantages, metrics
 
@@ -933,12 +1107,13 @@ def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tok
     return torch.cat(logps), torch.cat(entropies)
 
 
-def ppo_clip_loss(logp, old_logp, advantages, clip_eps: float, dual_clip: float):
+def ppo_clip_loss(logp, old_logp, advantages, clip_eps: float, dual_clip: float, clip_eps_high: Optional[float] = None):
     """Per-token PPO-clip loss with dual clip (verl's compute_policy_loss) and the clipped flags.
-    L = max(-A r, -A clip(r, 1-eps, 1+eps)); for A < 0 the loss is capped at -A c."""
+    L = max(-A r, -A clip(r, 1-eps, 1+eps_high)); for A < 0 the loss is capped at -A c. eps_high > eps is
+    DAPO's clip-higher (a rare token of a positive step may grow further); None: eps_high = eps."""
     ratio = torch.exp(logp - old_logp)
     loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
+    loss_clipped = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + (clip_eps if clip_eps_high is None else clip_eps_high))
     loss = torch.maximum(loss_unclipped, loss_clipped)
     loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
     return loss, (loss_clipped > loss_unclipped).float()
@@ -1023,7 +1198,7 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
                 for i, mine in zip(idx, logp.detach().split([len(responses[i]) for i in idx])):
                     old_logps.setdefault(i, mine)  # first minibatch of the first epoch: pi_old, kept for later epochs
                 old = torch.cat([old_logps[i].to(device) for i in idx])
-                pg_loss, clipped = ppo_clip_loss(logp, old, adv, args.clip_eps, args.dual_clip)
+                pg_loss, clipped = ppo_clip_loss(logp, old, adv, args.clip_eps, args.dual_clip, args.clip_eps_high)
                 loss = pg_loss - args.entropy_coef * entropy
                 if ref_logps is not None:
                     kl = kl_k3(logp, torch.cat([ref_logps[i] for i in idx]).to(device))
@@ -1351,21 +1526,30 @@ if __name__ == "__main__":
         iterations = range(start_iteration + 1, args.total_iterations + 1)
         for iteration in progress(args.exp_name, args.total_iterations, leave=True, iterable=iterations, initial=start_iteration, unit="iterations"):
             iteration_start = time.perf_counter()
-            # ROLLOUT: num_tasks groups of group_size episodes, each group on one task; this rank plays my_groups
-            tasks = task_rng.choice(len(train_tasks), args.num_tasks, replace=len(train_tasks) < args.num_tasks)
-            episodes = [Episode(train_tasks[tasks[group]], group) for group in my_groups for _ in range(args.group_size)]
-            timing = rollout(spec, runner, tokenizer, generate, args, episodes, args.temperature, "rollout")
+            # ROLLOUT: num_tasks groups of group_size episodes, each group on one task; this rank plays my_groups.
+            # --filter-groups (DAPO's dynamic sampling) trains on informative groups only: it plays rounds of
+            # num_tasks more tasks until num_tasks groups are kept or --max-filter-rounds extra rounds are spent
+            played, timing = [], Counter()
+            for filter_round in range(1 + args.max_filter_rounds * args.filter_groups):
+                tasks = task_rng.choice(len(train_tasks), args.num_tasks, replace=len(train_tasks) < args.num_tasks)
+                new = [Episode(train_tasks[tasks[group]], filter_round * args.num_tasks + group) for group in my_groups for _ in range(args.group_size)]
+                timing.update(rollout(spec, runner, tokenizer, generate, args, new, args.temperature, "rollout"))
+                if crashed := envs.most_crashed([e.crashed for e in new]):
+                    fail(crashed)
+                played += new
+                episodes, kept = informative_groups(played, len(my_groups)) if args.filter_groups else (played, 0)
+                if not args.filter_groups or all_reduce([kept])[0] >= args.num_tasks:
+                    break
             rollout_s = time.perf_counter() - iteration_start
-            if crashed := envs.most_crashed([e.crashed for e in episodes]):
-                fail(crashed)
 
             # ALGO LOGIC: the method, from the played episodes to the samples and advantages trained on
             prompts, responses, advantages, algo_metrics = training_batch(spec, runner, episodes, graphs, args, iteration)
 
-            # TRY NOT TO MODIFY: the update
+            # TRY NOT TO MODIFY: the update (none when --filter-groups kept no group at its cap)
             if llm is not None and args.vllm_sleep:
                 llm.sleep(level=1)
-            metrics = update_policy(model, ref_model, optimizer, prompts, responses, advantages, args, tokenizer.pad_token_id, autocast, update_generator)
+            trained = all_reduce([len(prompts)])[0] > 0
+            metrics = update_policy(model, ref_model, optimizer, prompts, responses, advantages, args, tokenizer.pad_token_id, autocast, update_generator) if trained else {}
             if llm is not None:
                 sync_vllm_weights(llm, model, args.vllm_sleep)
             elif plain_model is not model:
@@ -1373,7 +1557,10 @@ if __name__ == "__main__":
 
             # TRY NOT TO MODIFY: what the iteration achieved and cost
             metrics.update(algo_metrics)
-            metrics.update(episode_metrics(all_gather_objects([episode_stats(e) for e in episodes]), args.success_reward, "charts"))
+            metrics.update(episode_metrics(all_gather_objects([episode_stats(e) for e in played]), args.success_reward, "charts"))
+            if args.filter_groups:
+                metrics.update({"filter/rounds": filter_round + 1, "filter/informative_groups": all_reduce([kept])[0],
+                                "filter/skipped_update": float(not trained)})
             totals = all_reduce([np.abs(advantages).sum(), len(prompts), sum(map(len, prompts)),
                                  sum(map(len, responses)), timing["gen_tokens"]])
             metrics.update({

@@ -128,6 +128,15 @@ class EnvSpec:
     def project_state(self, state, task, reference_actions) -> frozenset:
         return self.module.project_state(state, task, reference_actions)
 
+    def project_action(self, action: str) -> str:
+        """An action as a progress graph names it (WebShop: every search is one action); else as it is."""
+        return getattr(self.module, "project_action", lambda a: a)(action)
+
+    def reference_variants(self, transitions: list[tuple]) -> list[tuple]:
+        """Transitions a reference graph holds besides the replayed (projected) ones: WebShop's option
+        clicks in every order; none for the other envs."""
+        return getattr(self.module, "reference_variants", lambda t: [])(transitions)
+
     def probe(self, task_ids: list[str]) -> str:
         """Start one env on the first task (of the train split) in this process, then close it, so a
         run whose env cannot start (no retrieval server, missing data, Java broken) stops with one

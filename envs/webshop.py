@@ -100,20 +100,45 @@ def webshop_state(page: str, asin: str | None, options: dict) -> frozenset:
                       *(f"option:{name}={value}" for name, value in options.items())])
 
 
+PRODUCT_PAGES = ("item_page", "item_sub_page", "done")  # the pages that show one product
+
+
 def project_state(state: frozenset, task: str, reference_actions: list[str]) -> frozenset:
-    """The page kind always; the product and options only when the reference clicks them
-    (else 'product:other'), so browsing unrelated products stays one state."""
+    """The page kind always. On a page that shows a product, also the product and the options the
+    reference clicks (another product: 'product:other', so browsing unrelated products stays one
+    state). A search or results page is its page kind alone, whatever was searched or seen before."""
     clicked = {a[len("click["):-1].lower() for a in reference_actions if a.startswith("click[")}
-    kept = set()
+    page = next((fact for fact in state if fact.startswith("page:")), "page:search")
+    if page[len("page:"):] not in PRODUCT_PAGES:
+        return frozenset([page])
+    kept = {page}
     for fact in state:
         kind, _, value = fact.partition(":")
-        if kind == "page":
-            kept.add(fact)
-        elif kind == "product":
+        if kind == "product":
             kept.add(fact if not value or value in clicked else "product:other")
         elif kind == "option" and value.partition("=")[2].lower() in clicked:
             kept.add(fact)
     return frozenset(kept)
+
+
+def project_action(action: str) -> str:
+    """Every search is one progress-graph action: the words vary, the results page is one state class."""
+    return "search[...]" if action.lower().startswith("search[") else action
+
+
+def reference_variants(transitions: list[tuple]) -> list[tuple]:
+    """Every order of the reference's option clicks (the ProAS paper's Table 10: colour first or size
+    first both advance). From the state s before the first click, with the clicked option facts o_v:
+    (s + U, click[v], s + U + {o_v}) for every subset U of the options and every option v outside U."""
+    clicks = [(s, a, next(iter(s_next - s))) for s, a, s_next in transitions
+              if len(s_next - s) == 1 and not s - s_next and next(iter(s_next - s)).startswith("option:")]
+    if len(clicks) < 2:
+        return []
+    base, variants = clicks[0][0], []
+    for chosen in range(2 ** len(clicks)):
+        here = base | {fact for k, (_, _, fact) in enumerate(clicks) if chosen >> k & 1}
+        variants += [(here, a, here | {fact}) for k, (_, a, fact) in enumerate(clicks) if not chosen >> k & 1]
+    return variants
 
 
 class Env:

@@ -27,6 +27,14 @@ def test_shared_functions_are_identical_to_grpo(method):
     assert not drifted, f"{method}: {drifted} differ from grpo.py without an '# ALGO LOGIC' marker"
 
 
+def test_proas_takes_gigpos_anchor_code_unchanged():
+    """proas.py --base gigpo: every function it shares with gigpo.py (and not with grpo.py) is gigpo.py's text."""
+    base, gigpo, proas = (top_level_sources(REPO / f) for f in ("grpo.py", "gigpo.py", "proas.py"))
+    shared = [name for name in gigpo if name in proas and name not in base]
+    assert {"flatten_steps", "discounted_returns", "anchor_groups", "episode_advantages", "step_advantages"} <= set(shared)
+    assert [name for name in shared if gigpo[name] != proas[name]] == []
+
+
 def test_grpo_has_the_functions_methods_build_on():
     names = set(top_level_sources(REPO / "grpo.py"))
     for name in ["Args", "rollout", "step_scores", "grpo_advantages", "update_policy", "ppo_clip_loss", "evaluate", "save_checkpoint"]:
@@ -34,8 +42,8 @@ def test_grpo_has_the_functions_methods_build_on():
 
 
 ENV_GUARDS = ["        print(spec.probe(train_tasks))  # one env started now: a broken env stops the run before the model loads",
-              "            if crashed := envs.most_crashed([e.crashed for e in episodes]):",
-              "                fail(crashed)"]
+              "                if crashed := envs.most_crashed([e.crashed for e in new]):",
+              "                    fail(crashed)"]
 
 
 @pytest.mark.parametrize("script", ["grpo.py", *METHODS])

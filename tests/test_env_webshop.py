@@ -109,7 +109,10 @@ def test_state_and_its_projection():
     assert webshop.project_state(state, GOAL, plan) == state
     other = webshop.webshop_state("item_page", "B000MJZOPK", {"size": "3.3 oz"})
     assert webshop.project_state(other, GOAL, plan) == {"page:item_page", "product:other"}
-    assert webshop.project_state(webshop.webshop_state("", None, {}), GOAL, plan) == {"page:search", "product:"}
+    # a search or results page is its page kind alone, whatever product was viewed before
+    assert webshop.project_state(webshop.webshop_state("", None, {}), GOAL, plan) == {"page:search"}
+    assert webshop.project_state(webshop.webshop_state("search_results", "B000VOHH8I", {"size": "2.5 fl oz"}), GOAL,
+                                 plan) == {"page:search_results"}
 
 
 def test_preset_is_verl_agents_webshop_setting():

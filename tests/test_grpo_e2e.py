@@ -208,6 +208,27 @@ def test_bad_input_is_one_clear_line(tiny_model, flags, message):
     assert "Traceback" not in out.stderr
 
 
+def test_filter_groups_at_its_cap_skips_the_update_and_keeps_training(tiny_model, tmp_path):
+    """The tiny random model never wins: every group is uninformative, so --filter-groups plays its one extra
+    round, keeps nothing, skips the update (the weights stay the initial ones) and logs it, without crashing."""
+    flags = list(TINY_FLAGS)
+    for name in ("--eval-every", "--num-eval-tasks"):
+        del flags[flags.index(name) : flags.index(name) + 2]
+    run = run_script("grpo.py", "--model", tiny_model, *flags, "--eval-every", "5", "--num-eval-tasks", "1",
+                     "--total-iterations", "1", "--filter-groups", "--max-filter-rounds", "1",
+                     "--clip-eps-high", "0.28", "--output-dir", str(tmp_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    row = read_metrics(only_run(tmp_path))[1]
+    assert row["charts/success_rate"] == 0
+    assert row["filter/rounds"] == 2 and row["filter/informative_groups"] == 0 and row["filter/skipped_update"] == 1
+    assert row["tokens/samples"] == 0 and "losses/policy_loss" not in row
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(only_run(tmp_path) / "checkpoint" / "model")
+    start = AutoModelForCausalLM.from_pretrained(tiny_model)
+    assert all(torch.equal(p, q) for p, q in zip(saved.parameters(), start.parameters()))
+
+
 def test_smollm2_name_resolves_to_the_shipped_gguf_and_loads_as_a_plain_hf_model():
     import importlib.util
 

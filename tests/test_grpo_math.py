@@ -56,6 +56,20 @@ def test_ppo_clip_and_dual_clip_by_hand():
     assert clipped.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
 
 
+def test_clip_higher_lets_a_positive_ratio_grow_to_one_plus_eps_high_only():
+    old = torch.zeros(4)
+    ratio = torch.tensor([1.25, 1.4, 0.7, 0.7])
+    adv = torch.tensor([1.0, 1.0, -1.0, 1.0])
+    loss, clipped = grpo.ppo_clip_loss(torch.log(ratio), old, adv, clip_eps=0.2, dual_clip=3.0, clip_eps_high=0.28)
+    # A>0, r=1.25 < 1.28: max(-1.25, -1.25) = -1.25, not clipped (the symmetric clip would give -1.2)
+    # A>0, r=1.4: max(-1.4, -1.28) = -1.28 (clipped at 1 + 0.28)
+    # A<0, r=0.7: the lower bound stays 1 - 0.2: max(0.7, 0.8) = 0.8 (clipped); A>0, r=0.7: max(-0.7, -0.8) = -0.7
+    assert loss.tolist() == pytest.approx([-1.25, -1.28, 0.8, -0.7], rel=1e-6)
+    assert clipped.tolist() == [0.0, 1.0, 1.0, 0.0]
+    symmetric, _ = grpo.ppo_clip_loss(torch.log(ratio), old, adv, clip_eps=0.2, dual_clip=3.0)
+    assert symmetric.tolist() == pytest.approx([-1.2, -1.2, 0.8, -0.7], rel=1e-6)
+
+
 def test_k3_kl_by_hand():
     logp = torch.tensor([0.0, math.log(0.5), -1.0])
     ref = torch.tensor([math.log(0.5), 0.0, -1.0])
@@ -198,6 +212,23 @@ def test_training_batch_gives_every_step_sample_its_group_normalised_score():
     assert metrics == {}
 
 
+def test_filter_groups_keeps_the_first_groups_whose_rewards_differ():
+    episodes = [
+        hand_episode("task-a", 0, True, [True]), hand_episode("task-a", 0, True, [True, True]),  # all won: dropped
+        hand_episode("task-b", 1, False, [True]), hand_episode("task-b", 1, True, [False]),  # mixed: kept
+        hand_episode("task-c", 2, False, [True]), hand_episode("task-c", 2, False, [False]),  # all lost: dropped
+        hand_episode("task-d", 3, True, [True]), hand_episode("task-d", 3, False, [True]),  # mixed: kept
+        hand_episode("task-e", 4, False, [True]), hand_episode("task-e", 4, True, [True]),  # mixed, over the share
+    ]
+    kept, n = grpo.informative_groups(episodes, share=2)
+    assert n == 2 and kept == episodes[2:4] + episodes[6:8]
+    kept, n = grpo.informative_groups(episodes[:2] + episodes[4:6], share=2)  # nothing informative
+    assert n == 0 and kept == []
+    # what main then trains on: grpo.py's batch of the kept groups, and no sample at all when none is kept
+    assert len(grpo.training_batch(episodes[2:4], grpo.Args(success_reward=10.0, invalid_penalty=0.1))[0]) == 2
+    assert grpo.training_batch([], grpo.Args(success_reward=10.0, invalid_penalty=0.1))[0] == []
+
+
 # ---- the update: one update_policy call against the same steps written with plain torch ---------------
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 15]]
 RESPONSES = [[20, 21, 22, 23], [24], [25, 26], [27, 28, 29]]
@@ -212,7 +243,7 @@ def plain_logprobs(model, prompt, response, temperature):
     return logp_all[torch.arange(len(response)), torch.tensor(response)], -(logp_all.exp() * logp_all).sum(-1)
 
 
-def sgd_by_hand(model, ref, minibatches: list, lr, clip_eps, kl_coef, entropy_coef, temperature):
+def sgd_by_hand(model, ref, minibatches: list, lr, clip_eps, kl_coef, entropy_coef, temperature, clip_eps_high=None):
     """SGD steps on the token-mean of the PPO-clip (dual clip 3) loss + kl_coef * k3(ref) - entropy_coef * H,
     every ratio against the log-probs before the first step. Returns the token-means of k3 and H."""
     with torch.no_grad():
@@ -226,7 +257,8 @@ def sgd_by_hand(model, ref, minibatches: list, lr, clip_eps, kl_coef, entropy_co
             a = float(ADVANTAGES[i])
             logp, entropy = plain_logprobs(model, PROMPTS[i], RESPONSES[i], temperature)
             ratio = torch.exp(logp - old[i])
-            surrogate = torch.maximum(-a * ratio, -a * ratio.clamp(1 - clip_eps, 1 + clip_eps))
+            high = clip_eps if clip_eps_high is None else clip_eps_high
+            surrogate = torch.maximum(-a * ratio, -a * ratio.clamp(1 - clip_eps, 1 + high))
             if a < 0:
                 surrogate = surrogate.clamp(max=-a * 3.0)
             kl = torch.exp(ref_logp[i] - logp) - (ref_logp[i] - logp) - 1
@@ -253,7 +285,8 @@ def update(module_name: str, model, ref, optimizer, advantages, args, generator)
     dict(kl_coef=0.5, entropy_coef=0.1, temperature=1.0, update_epochs=1),  # both regularisers, pinned
     dict(kl_coef=0.5, entropy_coef=0.1, temperature=0.7, update_epochs=1),  # old, reference and new passes at T
     dict(kl_coef=0.0, entropy_coef=0.0, temperature=1.0, update_epochs=2),  # a 2nd epoch still trains against pi_old
-], ids=["kl-entropy", "temperature", "two-epochs"])
+    dict(kl_coef=0.0, entropy_coef=0.0, temperature=1.0, update_epochs=2, clip_eps=0.05, clip_eps_high=0.5),  # DAPO
+], ids=["kl-entropy", "temperature", "two-epochs", "clip-higher"])
 def test_update_equals_the_same_sgd_steps_written_in_plain_torch(tiny_model, case, module_name):
     from transformers import AutoModelForCausalLM
 
@@ -274,7 +307,11 @@ def test_update_equals_the_same_sgd_steps_written_in_plain_torch(tiny_model, cas
                    for mb in np.array_split(torch.randperm(4, generator=generator).numpy(), 2)]
     by_hand = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     kl, entropy = sgd_by_hand(by_hand, ref, minibatches, lr, args.clip_eps, args.kl_coef, args.entropy_coef,
-                              args.temperature)
+                              args.temperature, args.clip_eps_high)
+    if args.clip_eps_high is not None:  # the upper bound decides some ratio: a symmetric clip would step elsewhere
+        symmetric = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+        sgd_by_hand(symmetric, ref, minibatches, lr, args.clip_eps, 0.0, 0.0, args.temperature)
+        assert max((p - q).abs().max() for p, q in zip(by_hand.parameters(), symmetric.parameters())) > 1e-3
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     assert max((p - q).abs().max() for p, q in zip(by_hand.parameters(), base.parameters())) > 1e-2  # big steps
     assert metrics["losses/clipfrac"] > 0 or args.kl_coef == 0  # the clip is exercised too

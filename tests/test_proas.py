@@ -298,22 +298,23 @@ def batch(cooking_spec):
             play_steps(cooking_spec, "train-easy-0", [("inventory", True), ("dance", False), (EASY[2], True)], 1)]
 
 
-def shaped_by_hand(adv: list[float], labels: list[int], shaping: str) -> list[float]:
-    """Eq. 7 on one trajectory (Re = PA here): A > 0 -> Re A (not for none); A < 0 on a non-advancing step
-    -> D_t / mean_T D * A (proas) or A (msk), with D_t the non-advancing steps from t on; A < 0 on an
-    advancing step: A, or 0 (msk)."""
+def shaped_by_hand(adv: list[float], labels: list[int], shaping: str, sign: float = None) -> list[float]:
+    """Eq. 7 on one trajectory (Re = PA here), its case chosen by `sign` (the trajectory's A_i) or, when None,
+    by each step's A: > 0 -> Re A (not for none); < 0 on a non-advancing step -> D_t / mean_T D * A (proas)
+    or A (msk), with D_t the non-advancing steps from t on; < 0 on an advancing step: A, or 0 (msk)."""
     drift = [sum(1 - pa for pa in labels[t:]) for t in range(len(labels))]
     mean_t = statistics.mean([d for d, pa in zip(drift, labels) if pa == 0] or [0])
     out = []
     for a, pa, d in zip(adv, labels, drift):
+        case = a if sign is None else sign
         if shaping in ("none", "pr"):
             out.append(a)
-        elif a > 0:
+        elif case > 0:
             out.append(pa * a)
-        elif a < 0 and pa == 0:
+        elif case < 0 and pa == 0:
             out.append(d / (mean_t + 1e-6) * a if shaping == "proas" else a)
         else:
-            out.append(0.0 if shaping == "msk" and a < 0 else a)
+            out.append(0.0 if shaping == "msk" and case < 0 else a)
     return out
 
 
@@ -338,6 +339,84 @@ def test_training_batch_labels_each_trajectory_then_shapes_its_grpo_advantages(c
     # the won trajectories' unreasonable steps: 3 of 9, 5 of 9, 2 of 5
     assert metrics["proas/masked_frac"] == pytest.approx(10 / 23)
     assert metrics["proas/mui_zeroed_frac"] == pytest.approx(0.0 if shaping in ("none", "pr") else 10 / 34)
+
+
+def test_all_failed_group_the_trajectory_sign_drops_the_invalid_penalty_the_step_sign_spreads_it(cooking_spec,
+                                                                                                cooking_runner):
+    """No episode of the group wins: R_i = 0 for all, and only the invalid penalty moves the scores. The
+    malformed step pulls the group mean below 0, so every trajectory's A_i > 0 (Eq. 7's MUI case): the
+    trajectory reading keeps Re_t * A_{i,t}, which zeroes the malformed step (never reasonable) and its
+    penalty. The step reading sends the malformed step (A_{i,t} < 0) to APR instead."""
+    lost = [play_steps(cooking_spec, "train-cut-0", [(a, True) for a in CUT[:3]] + [("xyzzy", False)], 0),
+            play_steps(cooking_spec, "train-cut-0", [("inventory", True), ("look", True)], 0)]
+    assert not any(e.won for e in lost)
+    # scores [0, 0, 0, -0.1, 0, 0]: mean -0.1/6, unbiased var (5 (0.1/6)^2 + (0.5/6)^2) / 5 = 1/600
+    std = math.sqrt(1 / 600)
+    valid, malformed = (0.1 / 6) / (std + 1e-6), -(0.5 / 6) / (std + 1e-6)  # 0.408248, -2.041241
+    # labels (G^(0)): inventory, examine: self-loops; take the potato: on the path; the malformed step: never
+    # PA of the 1st episode [0, 0, 1, 0]: D = [3, 2, 1, 1], T = {0, 1, 3}, mean_T D = 2: the malformed weight 1/2
+    expected = {"trajectory": [0, 0, valid, 0, 0, 0], "step": [0, 0, valid, 0.5 * malformed, 0, 0]}
+    for sign, want in expected.items():
+        args = proas.Args(success_reward=10.0, invalid_penalty=0.1, advantage_sign=sign)
+        _, _, advantages, metrics = proas.training_batch(cooking_spec, cooking_runner, lost, {}, args, 1)
+        assert advantages.tolist() == pytest.approx(want, rel=1e-6, abs=1e-12), sign
+        assert metrics["proas/sign_disagree_frac"] == pytest.approx(1 / 6)  # the malformed step's sign
+
+
+@pytest.mark.parametrize("shaping", ["proas", "none"])
+def test_base_gigpo_shapes_gigpos_advantages_by_the_episode_sign(cooking_spec, cooking_runner, batch, shaping):
+    """--base gigpo: the advantages shaped are gigpo.py's A^E + w * A^S of the same episodes; Eq. 7's case comes
+    from the trajectory's A_i, whose sign is the episode-level part's: + for the won, - for the lost here."""
+    import gigpo
+
+    gigpo_adv = gigpo.training_batch(batch, gigpo.Args(success_reward=10.0, invalid_penalty=0.1))[2]
+    args = proas.Args(success_reward=10.0, invalid_penalty=0.1, shaping=shaping, base="gigpo")
+    advantages = proas.training_batch(cooking_spec, cooking_runner, batch, {}, args, 1)[2]
+    expected, start = [], 0
+    for e, lab in zip(batch, BATCH_LABELS):
+        expected += shaped_by_hand(gigpo_adv[start : start + len(lab)].tolist(), lab, shaping, 1.0 if e.won else -1.0)
+        start += len(lab)
+    assert advantages.tolist() == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    assert (shaping == "none") == np.allclose(advantages, gigpo_adv)
+    grpo_based = proas.training_batch(cooking_spec, cooking_runner, batch, {}, proas.Args(success_reward=10.0,
+                                      invalid_penalty=0.1, shaping=shaping), 1)[2]
+    assert not np.allclose(advantages, grpo_based)  # the anchor groups' A^S moved something
+
+
+def test_webshop_graph_takes_the_options_in_any_order_and_any_search_words():
+    """WebShop's engine is not installed here: the states are the adapter's (page, product, options) on the
+    recorded item page of tests/test_env_webshop.py (B000VOHH8I, size 6.76 fl oz); its second option
+    (scent: original) is made up, as no recorded page has two. The graph comes from the reference replay's
+    states as replay_reference builds it; the rollout is labelled as training_batch labels it."""
+    from envs import webshop
+
+    spec = envs.load("webshop")
+    goal = "i need a long lasting 6.76 fl oz bottle of l'eau d'issey, original scent, and price lower than 100.00 dollars"
+    asin, size, scent = "B000VOHH8I", "6.76 fl oz (pack of 1)", "original"
+    page = lambda kind, options={}, product=asin: webshop.webshop_state(kind, product, options)  # noqa: E731
+    plan = ["search[l'eau d'issey 6.76 fl oz bottle]", f"click[{asin.lower()}]", f"click[{size}]", f"click[{scent}]",
+            "click[buy now]"]
+    both = {"size": size, "scent": scent}
+    replay = [page("", product=None), page("search_results", product=None), page("item_page"),
+              page("item_page", {"size": size}), page("item_page", both), page("done", both)]
+    graph = proas.reference_graph(spec, goal, plan, replay)
+    # search, open, size then scent, scent then size (4 option edges over 4 item-page states), buy
+    assert (len(graph["vertices"]), len(graph["edges"])) == (7, 7)
+    # other search words, a detour through another product, the options in the other order
+    steps = [("search[issey miyake men eau de toilette]", page("search_results", product=None)),
+             ("click[b000mjzopk]", page("item_page", product="B000MJZOPK")),
+             ("click[< prev]", page("search_results", product="B000MJZOPK")),
+             (f"click[{asin.lower()}]", page("item_page")), (f"click[{scent}]", page("item_page", {"scent": scent})),
+             (f"click[{size}]", page("item_page", both)), ("click[buy now]", page("done", both))]
+    episode = Episode("7", 0, task=goal, won=True)
+    state = replay[0]
+    for action, next_state in steps:
+        episode.turns.append(Turn([], [], action, True, "", state, next_state))
+        state = next_state
+    (re, pa), = proas.label_then_grow(spec, {"7": graph}, [episode], "action", grow=False)[0]
+    # the detour (another product, then back to the results) is off the graph; every other step is an edge that
+    # reaches a new vertex, whatever the search words or the order of the options
+    assert re.tolist() == pa.tolist() == [1, 0, 0, 1, 1, 1, 1]
 
 
 ALFWORLD_DATA = Path(os.environ.get("ALFWORLD_DATA", Path(__file__).resolve().parents[2] / "shared" / "data" / "alfworld"))
