@@ -1227,7 +1227,7 @@ def load_checkpoint(run_dir: Path, model, optimizer, task_rng, rank: int) -> tup
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
     try:
         dcp.load(state, checkpoint_id=str(ckpt / "optimizer"))
-    except Exception as e:  # a truncated shard: check_checkpoint read only the index
+    except (Exception, dcp.api.CheckpointException) as e:  # a truncated shard (check_checkpoint read only the index)
         fail(f"checkpoint folder {ckpt / 'optimizer'} is broken: {type(e).__name__}: {(str(e).strip() or '?').splitlines()[0]}")
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     set_rng_state(torch.load(ckpt / f"rng_{rank}.pt", weights_only=False), task_rng)

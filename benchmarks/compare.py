@@ -302,8 +302,9 @@ def plot(result: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     s = result.get("setting", {})
-    fig.suptitle(f"{s.get('env')}, SmolLM2-135M: {s.get('num_tasks')} tasks x {s.get('group_size')} episodes, "
-                 f"eval on {s.get('num_eval_tasks')} held-out games at T={s.get('eval_temperature')}; band: min-max over seeds")
+    fig.suptitle(f"{s.get('env')}, SmolLM2-135M: {s.get('num_tasks')} tasks x {s.get('group_size')} episodes\n"
+                 f"eval on {s.get('num_eval_tasks')} held-out games at T={s.get('eval_temperature')}; band: min-max over seeds",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
@@ -331,8 +332,9 @@ def main(args: Args) -> None:
         if not (ckpt / "model" / "config.json").exists():
             raise SystemExit(f"--sft-run {args.sft_run}: no checkpoint/model there")
         saved = json.loads((ckpt / "args.json").read_text())
-        info = {"run_dir": str(args.sft_run),
-                "command": "python sft.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in saved.items() if v is not None and k not in ("run_name", "resume"))}
+        typed = [f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in saved.items()
+                 if v is not None and k not in ("run_name", "resume")]
+        info = {"run_dir": str(args.sft_run), "command": "python sft.py " + " ".join(typed)}
     elif args.stage in ("all", "sft", "warm", "diagnostics"):
         info = drive("sft.py", sft_flags(args, base_model), args.runs_dir / "sft", args.sft_epochs, deadline, "--epochs")
         if info is None:

@@ -126,4 +126,4 @@ def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_mo
     # a second call, reusing the finished sft.py run, finds the grpo.py run finished: it launches nothing
     sft_run = Path(r["sft"]["run_dir"])
     again = bench("compare.py", *flags, "--sft-run", str(sft_run), timeout=300)
-    assert " -> " not in again.stdout and len(load(out)["runs"]) == 1
+    assert " ... -> " not in again.stdout and len(load(out)["runs"]) == 1

@@ -3,6 +3,7 @@ kill at any point of a save), progress display, bad input and broken checkpoints
 
 import contextlib
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -74,7 +75,7 @@ def test_progress_lines_in_a_log_are_whole_lines_per_phase(stopped_after_one):
     assert any(line.startswith("rollout: 1/3 turns") and "/4 episodes active" in line for line in rollout_lines)
     assert update_lines[0].startswith("update: 0/") and update_lines[0].endswith("old log-probs")
     assert update_lines[-1].split()[1].split("/")[0] == update_lines[-1].split()[1].split("/")[1]  # every sample
-    assert "minibatch 1/1" in update_lines[-1]
+    assert re.search(r"minibatch (\d+)/\1$", update_lines[-1])  # the last minibatch of the update
 
 
 def test_two_iterations_checkpoint_and_exact_resume(tiny_model, tmp_path, stopped_after_one):
@@ -222,6 +223,7 @@ def test_filter_groups_at_its_cap_skips_the_update_and_keeps_training(tiny_model
     assert row["charts/success_rate"] == 0
     assert row["filter/rounds"] == 2 and row["filter/informative_groups"] == 0 and row["filter/skipped_update"] == 1
     assert row["tokens/samples"] == 0 and "losses/policy_loss" not in row
+    import torch
     from transformers import AutoModelForCausalLM
 
     saved = AutoModelForCausalLM.from_pretrained(only_run(tmp_path) / "checkpoint" / "model")
@@ -261,10 +263,15 @@ def test_a_hub_name_offline_and_not_cached_fails_at_once(tmp_path, offline):
 
 def run_with_terminal_stderr(*args: str, timeout: int = 600) -> str:
     """What the script writes to stderr when stderr is a terminal (a pseudo-terminal here)."""
+    import fcntl
     import pty
+    import struct
+    import termios
     import threading
 
     leader, follower = pty.openpty()
+    # a new pseudo-terminal is 0 columns wide, where tqdm draws nothing: give it a real window's size
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
     proc = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=follower,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     os.close(follower)
@@ -289,9 +296,11 @@ def test_progress_on_a_terminal_redraws_in_place(tiny_model, tmp_path):
     redraws = stderr.replace("\r\n", "\n").split("\r")
     assert any("eval" in r and "episodes active" in r and "tokens/s" in r for r in redraws)
     assert any(r.lstrip().startswith("rollout") for r in redraws) and any(r.lstrip().startswith("update") for r in redraws)
-    # the phase bars never end a line: what stays on screen is the iteration bar (and any warnings)
-    kept = [line for line in stderr.replace("\r\n", "\n").split("\n") if line.strip()]
-    assert not any(("turns" in line.split("\r")[-1] or "samples" in line.split("\r")[-1]) for line in kept), kept
+    # a phase bar is drawn on the line below the iteration bar and moves the cursor back up each time
+    # (ESC [A): it never scrolls the screen, and what stays is the iteration bar (and any warnings)
+    lines = [line for line in stderr.replace("\r\n", "\n").split("\n") if line.strip()]
+    phase = [line for line in lines if "turns" in line.split("\r")[-1] or "samples" in line.split("\r")[-1]]
+    assert phase and all(line.endswith("\x1b[A") for line in phase), phase
 
 
 def test_a_gguf_policy_checkpoints_as_plain_hf_resumes_and_checkpoints_again(tmp_path):
