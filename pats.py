@@ -1202,7 +1202,8 @@ def set_rng_state(state: dict, task_rng) -> None:
     task_rng.bit_generator.state = state["tasks"]
 
 
-def save_checkpoint(run_dir: Path, model, plain_model, tokenizer, optimizer, iteration: int, args: Args, task_rng, method_state: dict, rank: int) -> None:
+def save_checkpoint(run_dir: Path, model, plain_model, tokenizer, optimizer, iteration: int, args: Args, task_rng,
+                    method_state: dict, rank: int) -> None:
     """HF model (gathered full weights) + optimizer (torch.distributed.checkpoint, sharded as
     trained) + per-rank RNG + iteration + method state. Written in full to checkpoint.tmp, then
     swapped in by two renames; finish_checkpoint_swap recovers a kill at any point of the swap."""
@@ -1369,7 +1370,8 @@ if __name__ == "__main__":
     if args.track and is_main:
         import wandb
 
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args), name=args.run_name, save_code=True, resume="allow")
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args),
+                   name=args.run_name, save_code=True, resume="allow")
 
     # TRY NOT TO MODIFY: seeding (ranks sample differently; tasks are drawn by the same seed everywhere)
     random.seed(args.seed + rank)
@@ -1475,7 +1477,8 @@ if __name__ == "__main__":
             played, timing = [], Counter()
             for filter_round in range(1 + args.max_filter_rounds * args.filter_groups):
                 tasks = task_rng.choice(len(train_tasks), args.num_tasks, replace=len(train_tasks) < args.num_tasks)
-                new = [Episode(train_tasks[tasks[group]], filter_round * args.num_tasks + group) for group in my_groups for _ in range(args.group_size)]
+                new = [Episode(train_tasks[tasks[group]], filter_round * args.num_tasks + group)
+                       for group in my_groups for _ in range(args.group_size)]
                 timing.update(rollout(spec, runner, tokenizer, generate, args, new, args.temperature, "rollout", scaffold))
                 if crashed := envs.most_crashed([e.crashed for e in new]):
                     fail(crashed)
@@ -1492,7 +1495,8 @@ if __name__ == "__main__":
             if llm is not None and args.vllm_sleep:
                 llm.sleep(level=1)
             trained = all_reduce([len(prompts)])[0] > 0
-            metrics = update_policy(model, ref_model, optimizer, prompts, responses, advantages, args, tokenizer.pad_token_id, autocast, update_generator) if trained else {}
+            metrics = update_policy(model, ref_model, optimizer, prompts, responses, advantages, args, tokenizer.pad_token_id,
+                                    autocast, update_generator) if trained else {}
             if llm is not None:
                 sync_vllm_weights(llm, model, args.vllm_sleep)
             elif plain_model is not model:

@@ -846,7 +846,8 @@ def set_rng_state(state: dict, task_rng) -> None:
     task_rng.bit_generator.state = state["tasks"]
 
 
-def save_checkpoint(run_dir: Path, model, plain_model, tokenizer, optimizer, iteration: int, args: Args, task_rng, method_state: dict, rank: int) -> None:
+def save_checkpoint(run_dir: Path, model, plain_model, tokenizer, optimizer, iteration: int, args: Args, task_rng,
+                    method_state: dict, rank: int) -> None:
     """HF model (gathered full weights) + optimizer (torch.distributed.checkpoint, sharded as
     trained) + per-rank RNG + iteration + method state. Written in full to checkpoint.tmp, then
     swapped in by two renames; finish_checkpoint_swap recovers a kill at any point of the swap."""
@@ -1017,7 +1018,8 @@ if __name__ == "__main__":
     if args.track and is_main:
         import wandb
 
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args), name=args.run_name, save_code=True, resume="allow")
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args),
+                   name=args.run_name, save_code=True, resume="allow")
 
     # TRY NOT TO MODIFY: seeding (ranks sample differently; tasks are drawn by the same seed everywhere)
     random.seed(args.seed + rank)
