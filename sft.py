@@ -34,6 +34,7 @@ import os
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: weights are pushed in place
 
 import contextlib
+import copy
 import importlib.util
 import json
 import math
@@ -130,10 +131,10 @@ class Args:
     """gradient-norm clipping"""
     minibatch_size: int = 32
     """step samples per optimizer step, at most: an epoch takes ceil(samples / this) equal minibatches"""
-    micro_batch_tokens: int = 16384
-    """padded tokens per forward/backward (gradient accumulation budget)"""
-    logprob_chunk_tokens: int = 2048
-    """response tokens whose full-vocabulary logits exist at once"""
+    micro_batch_tokens: Optional[int] = None
+    """padded tokens per forward/backward (gradient accumulation; default 16384 with CUDA, 2048 on CPU: the peak memory)"""
+    logprob_chunk_tokens: Optional[int] = None
+    """response tokens whose full-vocabulary logits exist at once (default: 2048 with CUDA, 512 on CPU)"""
 
     # Rewards
     success_reward: Optional[float] = None
@@ -165,13 +166,18 @@ class Args:
     save_every: int = 1
     """checkpoint every N epochs (and at the end)"""
     resume: Optional[str] = None
-    """run directory to continue from (its saved arguments are used, except the epoch count)"""
+    """run directory to continue from (its saved arguments are used; flags typed next to it replace them)"""
     output_dir: str = "runs"
     """where run directories are created"""
 
     # to be filled in runtime
     run_name: str = ""
     """`{env}__{exp_name}__{seed}__{unix_time}`"""
+
+    def __post_init__(self):  # the defaults that depend on the device the run gets (init_distributed's choice)
+        on_gpu = self.cuda and torch.cuda.is_available()
+        self.micro_batch_tokens = self.micro_batch_tokens or (16384 if on_gpu else 2048)
+        self.logprob_chunk_tokens = self.logprob_chunk_tokens or (2048 if on_gpu else 512)
 
 
 def fail(message: str):
@@ -1045,7 +1051,7 @@ if __name__ == "__main__":
         torch.manual_seed(args.seed + rank)
     plain_model = model  # generates (HF) and names the architecture in saved checkpoints
     if world_size > 1:  # FSDP shards `model`; a full copy per rank generates (on CPU when vLLM does)
-        plain_model = load_policy(policy_path, torch.device("cpu") if use_vllm else device)[1].eval()
+        plain_model = copy.deepcopy(model).to(torch.device("cpu") if use_vllm else device).eval()
         plain_model.requires_grad_(False)
         if use_bf16 and not use_vllm:
             plain_model.to(torch.bfloat16)

@@ -48,6 +48,7 @@ import os
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: weights are pushed in place
 
 import contextlib
+import copy
 import importlib.util
 import json
 import math
@@ -151,10 +152,10 @@ class Args:
     """entropy bonus coefficient"""
     minibatch_size: int = 256
     """step samples per optimizer step, at most: an iteration takes ceil(samples / this) equal minibatches"""
-    micro_batch_tokens: int = 16384
-    """padded tokens per forward/backward (gradient accumulation budget)"""
-    logprob_chunk_tokens: int = 2048
-    """response tokens whose full-vocabulary logits exist at once"""
+    micro_batch_tokens: Optional[int] = None
+    """padded tokens per forward/backward (gradient accumulation; default 16384 with CUDA, 2048 on CPU: the peak memory)"""
+    logprob_chunk_tokens: Optional[int] = None
+    """response tokens whose full-vocabulary logits exist at once (default: 2048 with CUDA, 512 on CPU)"""
     update_epochs: int = 1
     """passes over the iteration's samples"""
 
@@ -188,7 +189,7 @@ class Args:
     save_every: int = 25
     """checkpoint every N iterations (and at the end)"""
     resume: Optional[str] = None
-    """run directory to continue from (its saved arguments are used, except the iteration count)"""
+    """run directory to continue from (its saved arguments are used; flags typed next to it replace them)"""
     output_dir: str = "runs"
     """where run directories are created"""
 
@@ -225,6 +226,11 @@ class Args:
     # to be filled in runtime
     run_name: str = ""
     """`{env}__{exp_name}__{seed}__{unix_time}`"""
+
+    def __post_init__(self):  # the defaults that depend on the device the run gets (init_distributed's choice)
+        on_gpu = self.cuda and torch.cuda.is_available()
+        self.micro_batch_tokens = self.micro_batch_tokens or (16384 if on_gpu else 2048)
+        self.logprob_chunk_tokens = self.logprob_chunk_tokens or (2048 if on_gpu else 512)
 
 
 def fail(message: str):
@@ -1328,6 +1334,11 @@ if __name__ == "__main__":
     # Policy, reference, generator, optimizer
     policy_path = args.resume + "/checkpoint/model" if args.resume else args.model
     tokenizer, model = load_policy(policy_path, device)
+    ref_model = None
+    if args.kl_coef > 0:  # pi_ref, the initial policy: on a fresh run a copy of it (a second load would dequantize a GGUF again)
+        ref_model = (load_policy(args.model, device)[1] if args.resume else copy.deepcopy(model)).requires_grad_(False).eval()
+        if use_bf16:
+            ref_model.to(torch.bfloat16)  # frozen: bf16 storage loses nothing that is trained
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     use_vllm = (device.type == "cuda" and importlib.util.find_spec("vllm") is not None) if args.vllm is None else args.vllm
@@ -1341,7 +1352,7 @@ if __name__ == "__main__":
         torch.manual_seed(args.seed + rank)
     plain_model = model  # generates (HF) and names the architecture in saved checkpoints
     if world_size > 1:  # FSDP shards `model`; a full copy per rank generates (on CPU when vLLM does)
-        plain_model = load_policy(policy_path, torch.device("cpu") if use_vllm else device)[1].eval()
+        plain_model = copy.deepcopy(model).to(torch.device("cpu") if use_vllm else device).eval()
         plain_model.requires_grad_(False)
         if use_bf16 and not use_vllm:
             plain_model.to(torch.bfloat16)
@@ -1355,14 +1366,8 @@ if __name__ == "__main__":
         def generate(prompts, temperature, max_new_tokens=None):
             return generate_hf(plain_model, tokenizer, prompts, max_new_tokens or args.max_new_tokens, temperature, args.top_p, autocast)
 
-    ref_model = None
-    if args.kl_coef > 0:
-        _, ref_model = load_policy(args.model, device)
-        ref_model.requires_grad_(False).eval()
-        if use_bf16:
-            ref_model.to(torch.bfloat16)  # frozen: bf16 storage loses nothing that is trained
-        if world_size > 1:
-            ref_model = shard_model(ref_model, use_bf16)
+    if ref_model is not None and world_size > 1:
+        ref_model = shard_model(ref_model, use_bf16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     update_generator = torch.Generator().manual_seed(args.seed + rank)
 

@@ -408,3 +408,16 @@ def test_rollout_puts_the_prefix_back_before_parsing(tiny_model, cooking_spec):
                 assert [t.action for t in turns] == ["look", "look"]
     finally:
         runner.close()
+
+
+@pytest.mark.parametrize("module_name", ["grpo", "gigpo", "proas", "strata", "actguide", "pats", "sft"])
+def test_batch_sizes_default_to_the_device_and_a_typed_size_is_kept(module_name):
+    # on CPU the update's activations set the run's peak memory: 2048-token micro-batches, 512-token logit chunks
+    module = importlib.import_module(module_name)
+    cpu = module.Args(cuda=False)
+    assert (cpu.micro_batch_tokens, cpu.logprob_chunk_tokens) == (2048, 512)
+    typed = module.Args(cuda=False, micro_batch_tokens=16384, logprob_chunk_tokens=2048)
+    assert (typed.micro_batch_tokens, typed.logprob_chunk_tokens) == (16384, 2048)
+    if torch.cuda.is_available():
+        gpu = module.Args()
+        assert (gpu.micro_batch_tokens, gpu.logprob_chunk_tokens) == (16384, 2048)
