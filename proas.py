@@ -1144,6 +1144,8 @@ def recompute_logprobs(model, prompts, responses, args: Args, pad_id: int, autoc
         with autocast():
             logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device),
                                         args.logprob_chunk_tokens, args.temperature)
+        if batch is None:  # the dummy pass's log-prob belongs to no sample
+            continue
         for i, part in zip(rows, logp.float().cpu().split([len(responses[i]) for i in rows])):
             out[i] = part
     return out
