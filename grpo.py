@@ -160,7 +160,7 @@ class Args:
     gradient_checkpointing: bool = True
     """recompute activations in backward to save memory"""
     bf16: Optional[bool] = None
-    """bf16 autocast over fp32 master weights (default: on with CUDA)"""
+    """bf16 autocast over fp32 master weights (default: on with CUDA or a CPU with AVX512-BF16/AMX, where it is faster)"""
 
     # Checkpoints
     save_every: int = 25
@@ -313,6 +313,16 @@ def load_policy(model_name: str, device: torch.device):
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer, model.to(device)
+
+
+def bf16_is_fast(device: torch.device) -> bool:
+    """Whether bf16 autocast speeds this device up: CUDA, or a CPU with bf16 matrix instructions
+    (AVX512-BF16 or AMX). Elsewhere it is emulated and far slower than fp32: on a 2-core AVX2 EPYC a
+    2048x2048 bf16 matmul ran at 0.3 GFLOP/s against 120 GFLOP/s in fp32."""
+    if device.type == "cuda":
+        return True
+    cpu = getattr(torch, "cpu", None)
+    return any(getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1059,7 +1069,10 @@ if __name__ == "__main__":
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    use_bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
+    use_bf16 = bf16_is_fast(device) if args.bf16 is None else args.bf16
+    if use_bf16 and not bf16_is_fast(device) and rank == 0:
+        print("warning: --bf16 True on a CPU without bf16 matrix instructions (AVX512-BF16, AMX): autocast is "
+              "emulated here and many times slower than fp32; leave --bf16 unset to choose by the device", file=sys.stderr)
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)  # noqa: E731
 
     # Policy, reference, generator, optimizer

@@ -56,7 +56,7 @@ class Args:
     max_new_tokens: int = 64
     """--max-new-tokens"""
     extra_flags: str = ("--num-eval-tasks 1 --num-env-workers 2 --minibatch-size 16 --learning-rate 2e-5 --temperature 0.8 "
-                        "--kl-coef 0 --response-prefix '<think>' --bf16 True --no-gradient-checkpointing --micro-batch-tokens 4096")
+                        "--kl-coef 0 --response-prefix '<think>' --no-gradient-checkpointing --micro-batch-tokens 4096")
     """more flags for the script"""
     out: Path = RESULTS / "profile.json"
     """JSON result; the plot goes next to it (.png)"""

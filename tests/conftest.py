@@ -61,6 +61,16 @@ def build_tiny_model(folder: Path, hidden: int = 64, layers: int = 2, seed: int 
 
 
 @pytest.fixture(scope="session")
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has bf16 matrix instructions, read from /proc/cpuinfo (not through torch)."""
+    info = Path("/proc/cpuinfo")
+    if not info.exists():
+        pytest.skip("no /proc/cpuinfo to read the CPU's instruction set from")
+    flags = {word for line in info.read_text().splitlines() if line.startswith("flags") for word in line.split()}
+    return bool(flags & {"avx512_bf16", "amx_bf16", "amx_tile"})
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2")))
 

@@ -209,6 +209,16 @@ def test_bad_input_is_one_clear_line(tiny_model, flags, message):
     assert "Traceback" not in out.stderr
 
 
+def test_bf16_asked_for_on_a_cpu_without_bf16_instructions_warns_and_the_default_does_not(tiny_model, tmp_path, cpu_has_bf16,
+                                                                                       stopped_after_one):
+    out = run_script("grpo.py", "--model", tiny_model, *TINY_FLAGS, "--total-iterations", "1", "--num-tasks", "1",
+                     "--max-steps", "1", "--eval-every", "1000", "--bf16", "True", "--output-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    warning = "warning: --bf16 True on a CPU without bf16 matrix instructions"
+    assert (warning in out.stderr) == (not cpu_has_bf16)
+    assert warning not in stopped_after_one[0].stderr  # the default (--bf16 unset) picks fp32 there
+
+
 def test_filter_groups_at_its_cap_skips_the_update_and_keeps_training(tiny_model, tmp_path):
     """The tiny random model never wins: every group is uninformative, so --filter-groups plays its one extra
     round, keeps nothing, skips the update (the weights stay the initial ones) and logs it, without crashing."""
