@@ -324,6 +324,11 @@ def main(args: Args) -> None:
                                                        if k not in ("stage", "max_minutes", "out", "runs_dir")},
                    "machine": machine()})
     base_model = resolve_model(args.model)
+    host = result["machine"]
+    if args.stage != "report" and not host.get("cuda") and not host.get("cpu_bf16"):
+        print("note: this CPU has no bf16 matrix instructions, so the runs are fp32, about 4.5x slower than on an "
+              "AVX512-BF16 CPU (benchmarks/results/profile_avx2_fp32.json): a warm run of the default setting takes "
+              "about 6 h on 2 such cores, beyond one sitting", flush=True)
 
     # 1. the warm start
     warm_model = None
@@ -365,6 +370,7 @@ def main(args: Args) -> None:
             print("stopped at the time limit (the run in progress resumes next time)")
             break
         entry = summarise(script, start, seed, info)
+        entry["machine"] = host  # runs of one table may come from different sittings and CPUs
         if variant:
             entry["variant"] = variant
         record(result, entry, args.out)
