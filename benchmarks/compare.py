@@ -328,7 +328,7 @@ def main(args: Args) -> None:
     if args.stage != "report" and not host.get("cuda") and not host.get("cpu_bf16"):
         print("note: this CPU has no bf16 matrix instructions, so the runs are fp32, about 4.5x slower than on an "
               "AVX512-BF16 CPU (benchmarks/results/profile_avx2_fp32.json): a warm run of the default setting takes "
-              "about 6 h on 2 such cores, beyond one sitting", flush=True)
+              "about 4.5 h on 2 such cores, beyond one sitting", flush=True)
 
     # 1. the warm start
     warm_model = None

@@ -128,3 +128,21 @@ def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_mo
     sft_run = Path(r["sft"]["run_dir"])
     again = bench("compare.py", *flags, "--sft-run", str(sft_run), timeout=300)
     assert " ... -> " not in again.stdout and len(load(out)["runs"]) == 1
+
+
+def test_prompt_sharing_counts_duplicates_and_shared_prefixes(tiny_model, tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("prompt_sharing", REPO / "benchmarks" / "prompt_sharing.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "prompt_sharing", module)  # its dataclass looks itself up there
+    spec.loader.exec_module(module)
+    # by hand: [1,2,3] shares nothing before it, [1,2,4] shares [1,2], the last [1,2,3] repeats the first
+    assert module.sharing([[1, 2, 3], [1, 2, 4], [1, 2, 3]]) == {
+        "samples": 3, "distinct_prompts": 2, "duplicate_samples": 1, "prompt_tokens": 9,
+        "shared_prefix_tokens": 5, "shared_prefix_frac": 5 / 9}
+    # through the script: one turn of two episodes of one game, so the second prompt is the first's
+    out = tmp_path / "sharing.json"
+    bench("prompt_sharing.py", "--model", tiny_model, "--env", "cooking", "--num-tasks", "1", "--group-size", "2",
+          "--max-steps", "1", "--max-new-tokens", "4", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert (r["samples"], r["distinct_prompts"], r["duplicate_samples"]) == (2, 1, 1)
+    assert r["shared_prefix_tokens"] * 2 == r["prompt_tokens"]
