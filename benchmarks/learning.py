@@ -33,8 +33,9 @@ base rate, and the CPU cost that fits two seeds in an hour:
 - no KL to the reference (--kl-coef 0): in a run this short the anchor only slows the format
   change the benchmark looks for, and it saves a second model and a log-prob pass on CPU.
 - bf16 autocast where the CPU has AVX512-BF16 (the EPYC these figures come from: bf16 matmuls 4.2x
-  faster than fp32; grpo.py picks it by itself), `--no-gradient-checkpointing --micro-batch-tokens 4096`: without checkpointing a micro-batch keeps ~1.4 MB of
-  activations per token, so grpo.py's 16k-token micro-batches were killed for memory on 24 GB and
+  faster than fp32; grpo.py picks it by itself).
+- `--no-gradient-checkpointing --micro-batch-tokens 4096`: without checkpointing a micro-batch
+  keeps ~1.4 MB of activations per token, so grpo.py's 16k-token micro-batches were killed for memory on 24 GB and
   4k-token ones hold ~6 GB.
 - training temperature 0.8: at 1.0 this model rambles; 0.8 keeps exploration with more coherent
   text. Evaluation stays at grpo.py's 0.4, on 8 held-out games, before and after training only.
@@ -142,7 +143,8 @@ def grpo_flags(args: Args, s: dict, model: str, seed: int) -> list[str]:
         "--temperature", str(args.temperature), "--kl-coef", str(args.kl_coef),
         "--num-eval-tasks", str(s["num_eval_tasks"]), "--eval-every", str(s["iterations"]),
         "--save-every", str(10**6), "--num-env-workers", str(s["num_env_workers"]), "--micro-batch-tokens", str(s["micro_batch_tokens"]),
-        "--response-prefix", args.response_prefix, *(["--bf16", str(args.bf16)] if args.bf16 is not None else []), "--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing",
+        "--response-prefix", args.response_prefix, *(["--bf16", str(args.bf16)] if args.bf16 is not None else []),
+        "--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing",
         *shlex.split(args.extra_flags),
     ]
 
