@@ -528,10 +528,33 @@ def generate_vllm(llm, prompts: list[list[int]], max_new_tokens: int, temperatur
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
+class SampledLogprobs:
+    """A logits processor that keeps log softmax(logits / T)[y] of every token y the sampler draws. HF
+    calls it on the raw logits of each step before the temperature and top-p warpers, so one
+    step's distribution is read at the token the next call finds appended (the last one after
+    `generate`); the scores pass through unchanged and no random number is drawn."""
+
+    def __init__(self, temperature: float):
+        self.temperature, self.last, self.steps = temperature, None, []
+
+    def __call__(self, input_ids, scores):
+        if self.last is not None:
+            self.steps.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1))
+        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, generated: torch.Tensor) -> torch.Tensor:
+        self.steps.append(self.last.gather(1, generated[:, -1:]).squeeze(1))
+        return torch.stack(self.steps, dim=1)
+
+
 @torch.no_grad()
-def generate_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, autocast) -> list[list[int]]:
-    """One batched, left-padded `generate` call; each response is cut after its first EOS (kept)."""
-    from transformers import GenerationConfig
+def generate_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, autocast,
+                record: Optional[dict] = None) -> list[list[int]]:
+    """One batched, left-padded `generate` call; each response is cut after its first EOS (kept).
+    With `record` (and temperature > 0), record[(temperature, prompt, response)] gets the log-prob of
+    each response token under softmax(logits / temperature), as `response_logprobs` scores it."""
+    from transformers import GenerationConfig, LogitsProcessorList
 
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
@@ -545,13 +568,19 @@ def generate_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens: int,
         do_sample=temperature > 0, temperature=temperature if temperature > 0 else None, top_p=top_p, top_k=0,
         repetition_penalty=1.0, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
     )
+    keep = SampledLogprobs(temperature) if record is not None and temperature > 0 else None
     model.eval()
     with autocast():
-        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config)
+        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config,
+                             logits_processor=LogitsProcessorList([keep] if keep else []))
     generated = out[:, width:]
     is_eos = torch.isin(generated, torch.tensor(eos, device=generated.device))
     lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, generated.shape[1])  # through the first EOS
-    return [row[:n] for row, n in zip(generated.tolist(), lengths.tolist())]
+    responses = [row[:n] for row, n in zip(generated.tolist(), lengths.tolist())]
+    if keep is not None:
+        for p, r, logp in zip(prompts, responses, keep.finish(generated).cpu()):
+            record[(temperature, tuple(p), tuple(r))] = logp[: len(r)]
+    return responses
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1084,12 +1113,14 @@ def recompute_logprobs(model, prompts, responses, args: Args, pad_id: int, autoc
     return out
 
 
-def update_policy(model, ref_model, optimizer, prompts, responses, advantages, args: Args, pad_id: int, autocast, generator):
+def update_policy(model, ref_model, optimizer, prompts, responses, advantages, args: Args, pad_id: int, autocast, generator,
+                  sampled: Optional[dict] = None):
     """Old (and reference) log-probs first, then `update_epochs` passes of minibatch PPO steps.
     Under torchrun each rank holds its own groups' samples; a minibatch is the union of one
     slice from every rank and its loss is the token-mean over all of their response tokens.
     Every pass (old, reference, new) scores softmax(logits / temperature), the distribution the
-    rollout sampled from (verl); a step whose gradient norm is not finite is skipped and counted."""
+    rollout sampled from (verl); a step whose gradient norm is not finite is skipped and counted.
+    `sampled`: log-probs kept by `generate_hf` from the sampling pass of these very weights."""
     device = next(model.parameters()).device
     world_size = dist.get_world_size() if distributed() else 1
     num_minibatches = max(1, math.ceil(all_reduce([len(prompts)])[0] / args.minibatch_size))
@@ -1100,9 +1131,15 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
     # pass: ratio exactly 1) and keeps them for later epochs. Only the samples trained after a step need
     # the separate no-grad pass.
     stale = sorted(set(range(len(prompts))) - set(epochs[0][0].tolist()))
+    # A stale sample trained exactly as it was sampled (same prompt, response and temperature) keeps the
+    # log-probs its sampling pass computed with these weights; only the others (a prompt the method rewrote,
+    # vLLM's samples) take the no-grad pass.
+    sampled = sampled or {}
+    old_logps = {i: logp for i in stale if (logp := sampled.get((args.temperature, tuple(prompts[i]), tuple(responses[i])))) is not None}
+    rest = [i for i in stale if i not in old_logps]
     bar = progress("update", len(prompts) * args.update_epochs, unit="samples", postfix="old log-probs")
     t0 = time.perf_counter()
-    old_logps = dict(zip(stale, recompute_logprobs(model, [prompts[i] for i in stale], [responses[i] for i in stale], args, pad_id, autocast)))
+    old_logps.update(zip(rest, recompute_logprobs(model, [prompts[i] for i in rest], [responses[i] for i in rest], args, pad_id, autocast)))
     ref_logps = recompute_logprobs(ref_model, prompts, responses, args, pad_id, autocast) if ref_model is not None else None
     logprob_s = time.perf_counter() - t0
 
@@ -1168,6 +1205,7 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
     metrics["losses/grad_norm"] = float(np.mean(grad_norms)) if grad_norms else float("nan")
     metrics["losses/skipped_steps"] = float(skipped_steps)
     metrics["perf/logprob_s"] = logprob_s
+    metrics["perf/old_logprobs_sampled"], metrics["perf/old_logprobs_recomputed"] = all_reduce([len(stale) - len(rest), len(rest)])
     metrics["perf/update_s"] = update_s
     metrics["perf/train_tokens_per_s"] = real_tokens / max(update_s, 1e-9)
     metrics["perf/padding_efficiency"] = real_tokens / max(padded_tokens, 1)
@@ -1422,6 +1460,7 @@ if __name__ == "__main__":
         np.random.seed(args.seed + rank)
         torch.manual_seed(args.seed + rank)
     plain_model = model  # generates (HF) and names the architecture in saved checkpoints
+    sampled = {}  # (temperature, prompt ids, response ids) -> log-probs of the sampling pass, this iteration's weights
     if world_size > 1:  # FSDP shards `model`; a full copy per rank generates (on CPU when vLLM does)
         plain_model = copy.deepcopy(model).to(torch.device("cpu") if use_vllm else device).eval()
         plain_model.requires_grad_(False)
@@ -1433,9 +1472,13 @@ if __name__ == "__main__":
         def generate(prompts, temperature, max_new_tokens=None):
             return generate_vllm(llm, prompts, max_new_tokens or args.max_new_tokens, temperature, args.top_p)
     else:
+        # pi_old of a sample trained as it was sampled, kept from its sampling pass (not under torchrun: there
+        # a synced copy samples, in bf16 storage under --bf16, so its log-probs are not the trained weights')
+        record = sampled if plain_model is model else None
 
         def generate(prompts, temperature, max_new_tokens=None):
-            return generate_hf(plain_model, tokenizer, prompts, max_new_tokens or args.max_new_tokens, temperature, args.top_p, autocast)
+            return generate_hf(plain_model, tokenizer, prompts, max_new_tokens or args.max_new_tokens, temperature, args.top_p, autocast,
+                               record)
 
     if ref_model is not None and world_size > 1:
         ref_model = shard_model(ref_model, use_bf16)
@@ -1491,6 +1534,7 @@ if __name__ == "__main__":
         iterations = range(start_iteration + 1, args.total_iterations + 1)
         for iteration in progress(args.exp_name, args.total_iterations, leave=True, iterable=iterations, initial=start_iteration, unit="iterations"):
             iteration_start = time.perf_counter()
+            sampled.clear()  # pi_old is this iteration's sampling pass only: a pair drawn before the last update is not
             # ROLLOUT: num_tasks groups of group_size episodes, each group on one task; this rank plays my_groups.
             # --filter-groups (DAPO's dynamic sampling) trains on informative groups only: it plays rounds of
             # num_tasks more tasks until num_tasks groups are kept or --max-filter-rounds extra rounds are spent
@@ -1516,7 +1560,7 @@ if __name__ == "__main__":
                 llm.sleep(level=1)
             trained = all_reduce([len(prompts)])[0] > 0
             metrics = update_policy(model, ref_model, optimizer, prompts, responses, advantages, args, tokenizer.pad_token_id,
-                                    autocast, update_generator) if trained else {}
+                                    autocast, update_generator, sampled=sampled) if trained else {}
             if llm is not None:
                 sync_vllm_weights(llm, model, args.vllm_sleep)
             elif plain_model is not model:

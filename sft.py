@@ -473,10 +473,33 @@ def generate_vllm(llm, prompts: list[list[int]], max_new_tokens: int, temperatur
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
+class SampledLogprobs:
+    """A logits processor that keeps log softmax(logits / T)[y] of every token y the sampler draws. HF
+    calls it on the raw logits of each step before the temperature and top-p warpers, so one
+    step's distribution is read at the token the next call finds appended (the last one after
+    `generate`); the scores pass through unchanged and no random number is drawn."""
+
+    def __init__(self, temperature: float):
+        self.temperature, self.last, self.steps = temperature, None, []
+
+    def __call__(self, input_ids, scores):
+        if self.last is not None:
+            self.steps.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1))
+        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, generated: torch.Tensor) -> torch.Tensor:
+        self.steps.append(self.last.gather(1, generated[:, -1:]).squeeze(1))
+        return torch.stack(self.steps, dim=1)
+
+
 @torch.no_grad()
-def generate_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, autocast) -> list[list[int]]:
-    """One batched, left-padded `generate` call; each response is cut after its first EOS (kept)."""
-    from transformers import GenerationConfig
+def generate_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, autocast,
+                record: Optional[dict] = None) -> list[list[int]]:
+    """One batched, left-padded `generate` call; each response is cut after its first EOS (kept).
+    With `record` (and temperature > 0), record[(temperature, prompt, response)] gets the log-prob of
+    each response token under softmax(logits / temperature), as `response_logprobs` scores it."""
+    from transformers import GenerationConfig, LogitsProcessorList
 
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
@@ -490,13 +513,19 @@ def generate_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens: int,
         do_sample=temperature > 0, temperature=temperature if temperature > 0 else None, top_p=top_p, top_k=0,
         repetition_penalty=1.0, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
     )
+    keep = SampledLogprobs(temperature) if record is not None and temperature > 0 else None
     model.eval()
     with autocast():
-        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config)
+        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config,
+                             logits_processor=LogitsProcessorList([keep] if keep else []))
     generated = out[:, width:]
     is_eos = torch.isin(generated, torch.tensor(eos, device=generated.device))
     lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, generated.shape[1])  # through the first EOS
-    return [row[:n] for row, n in zip(generated.tolist(), lengths.tolist())]
+    responses = [row[:n] for row, n in zip(generated.tolist(), lengths.tolist())]
+    if keep is not None:
+        for p, r, logp in zip(prompts, responses, keep.finish(generated).cpu()):
+            record[(temperature, tuple(p), tuple(r))] = logp[: len(r)]
+    return responses
 
 
 # ----------------------------------------------------------------------------------------------

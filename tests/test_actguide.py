@@ -252,6 +252,8 @@ def test_selective_two_iterations_then_exact_resume_with_the_probe_totals(tiny_m
     assert metrics[1]["actguide/guided_group_frac"] == 1.0
     assert metrics[1]["actguide/probe_episodes"] == 2.0 and metrics[2]["actguide/probe_episodes_total"] == 4.0
     assert metrics[1]["actguide/guided_sample_frac"] > 0  # k >= 1 after the round: the hint was shown
+    # old log-probs are the behaviour policy's, under the prompt it was shown (guided ones included): kept from sampling
+    assert [metrics[k]["perf/old_logprobs_recomputed"] for k in (1, 2)] == [0, 0] and metrics[1]["perf/old_logprobs_sampled"] > 0
 
     first = run_script("actguide.py", "--model", tiny_model, *TINY_FLAGS, *E2E_FLAGS, "--total-iterations", "1", "--output-dir", str(tmp_path / "b"))
     assert first.returncode == 0, first.stderr[-3000:]

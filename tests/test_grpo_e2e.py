@@ -94,6 +94,8 @@ def test_two_iterations_checkpoint_and_exact_resume(tiny_model, tmp_path, stoppe
     assert 4 <= metrics[1]["tokens/samples"] <= 12
     assert metrics[1]["tokens/response"] <= 16 * metrics[1]["tokens/samples"]
     assert 0 < metrics[1]["perf/padding_efficiency"] <= 1
+    # every stale sample (trained after the 1st optimizer step) is trained as it was drawn: pi_old from its sampling pass
+    assert [metrics[k]["perf/old_logprobs_recomputed"] for k in (1, 2)] == [0, 0] and metrics[1]["perf/old_logprobs_sampled"] > 0
     assert "\r" not in straight.stderr and "turns" not in straight.stderr  # a log: no phase lasted a minute
 
     ckpt = run_a / "checkpoint"

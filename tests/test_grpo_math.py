@@ -429,3 +429,66 @@ def test_bf16_counts_as_fast_on_cuda_and_on_a_cpu_with_bf16_matrix_instructions_
     module = importlib.import_module(module_name)
     assert module.bf16_is_fast(torch.device("cpu")) == cpu_has_bf16
     assert module.bf16_is_fast(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("module_name", ["grpo", "gigpo", "proas", "strata", "actguide", "pats"])
+def test_generation_keeps_the_log_probs_the_update_scores_and_draws_the_same_samples(tiny_model, module_name):
+    # at T = 0.7 with top-p 0.9: the kept log-prob is log softmax(logits / T) over the whole vocabulary, the
+    # distribution every update pass scores, though top-p truncated the one sampled from
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    module = importlib.import_module(module_name)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    prompts = [module.encode_prompt(tokenizer, f"task {k}: cook" + " the apple" * k) for k in range(6)]
+    torch.manual_seed(0)
+    plain = module.generate_hf(model, tokenizer, prompts, 24, 0.7, 0.9, NO_AUTOCAST)
+    kept = {}
+    torch.manual_seed(0)
+    responses = module.generate_hf(model, tokenizer, prompts, 24, 0.7, 0.9, NO_AUTOCAST, kept)
+    assert responses == plain and len(set(map(len, responses))) > 1  # same samples; some stop early at EOS
+    args = module.Args(temperature=0.7, micro_batch_tokens=4096, logprob_chunk_tokens=512)
+    scored = module.recompute_logprobs(model, prompts, responses, args, tokenizer.pad_token_id, NO_AUTOCAST)
+    assert len(kept) == len(set(map(tuple, prompts)))
+    for p, r, logp in zip(prompts, responses, scored):
+        assert torch.allclose(kept[(0.7, tuple(p), tuple(r))], logp, atol=1e-5)
+    at_one = module.recompute_logprobs(model, prompts, responses, module.Args(temperature=1.0), tokenizer.pad_token_id, NO_AUTOCAST)
+    assert max((a - b).abs().max() for a, b in zip(at_one, scored)) > 1e-2  # the temperature matters here
+    module.generate_hf(model, tokenizer, prompts, 24, 0.0, 1.0, NO_AUTOCAST, kept)  # greedy: no distribution to keep
+    assert all(t == 0.7 for t, _, _ in kept)
+
+
+@pytest.mark.parametrize("module_name", ["grpo", "strata", "actguide"])
+def test_the_update_takes_pi_old_of_a_sample_trained_as_sampled_from_its_sampling_pass(tiny_model, module_name):
+    from transformers import AutoModelForCausalLM
+
+    settings = dict(minibatch_size=2, kl_coef=0.0, entropy_coef=0.0, temperature=1.0)
+    # minibatches of update_policy's generator(0): the 2nd one's samples are the stale ones
+    first, second = np.array_split(torch.randperm(4, generator=torch.Generator().manual_seed(0)).numpy(), 2)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    module = importlib.import_module(module_name)
+    args = module.Args(**settings, micro_batch_tokens=4096)
+    true_old = module.recompute_logprobs(model, PROMPTS, RESPONSES, args, 0, NO_AUTOCAST)
+    extra = {"strata": ([False] * len(PROMPTS),), "actguide": (PROMPTS,)}.get(module_name, ())
+
+    def run(sampled):
+        m = copy.deepcopy(model)
+        return module.update_policy(m, None, torch.optim.SGD(m.parameters(), lr=0.2), PROMPTS, RESPONSES, ADVANTAGES, args, 0,
+                                    NO_AUTOCAST, torch.Generator().manual_seed(0), *extra, sampled=sampled)
+
+    recomputed = run(None)
+    assert (recomputed["perf/old_logprobs_sampled"], recomputed["perf/old_logprobs_recomputed"]) == (0, 2)
+    # every sample kept from sampling (at the update's temperature): no second pass, the same update
+    kept = {(1.0, tuple(p), tuple(r)): logp for p, r, logp in zip(PROMPTS, RESPONSES, true_old)}
+    reused = run(kept)
+    assert (reused["perf/old_logprobs_sampled"], reused["perf/old_logprobs_recomputed"]) == (2, 0)
+    for key in ["losses/policy_loss", "losses/approx_kl_old", "losses/clipfrac", "losses/grad_norm"]:
+        assert reused[key] == pytest.approx(recomputed[key], rel=1e-6, abs=1e-9), key
+    # the kept values are what pi_old is: shift them by 0.25 and the mean of (old - new) over all tokens
+    # moves by 0.25 x (2nd minibatch's tokens) / (all tokens); the 1st minibatch's own forward is unaffected
+    shifted = run({k: v + 0.25 for k, v in kept.items()})
+    tokens = sum(len(RESPONSES[i]) for i in second) / sum(map(len, RESPONSES))
+    assert shifted["losses/approx_kl_old"] - recomputed["losses/approx_kl_old"] == pytest.approx(0.25 * tokens, rel=1e-4)
+    # log-probs kept at another temperature, or of another prompt, are not pi_old at this one: recomputed
+    elsewhere = {(0.7, p, r): v for (_, p, r), v in kept.items()} | {(1.0, p + (1,), r): v for (_, p, r), v in kept.items()}
+    assert run(elsewhere)["perf/old_logprobs_recomputed"] == 2

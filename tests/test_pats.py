@@ -333,6 +333,7 @@ def test_cli_two_iterations_on_cooking_across_a_resume_keep_the_bank(tiny_model,
     assert metrics[1]["pats/scaffold_tokens"] == 0 and metrics[1]["pats/mode_EXPAND"] >= 1
     assert metrics[1]["pats/edits_accepted"] >= 2
     assert any(k.startswith("pats/bank_entries_") and v > 0 for k, v in metrics[1].items())
+    assert metrics[1]["perf/old_logprobs_recomputed"] == 0 and metrics[1]["perf/old_logprobs_sampled"] > 0  # pi_old from sampling
     state = torch.load(run / "checkpoint" / "trainer_state.pt", weights_only=False)["method"]["pats"]
     assert state["bank"] and all(e["sources"] for entries in state["bank"].values() for e in entries)
 

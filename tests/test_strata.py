@@ -278,6 +278,8 @@ def test_two_iterations_on_cooking_log_strata_metrics(tiny_model, tmp_path):
     # 1 task x N=2 strategies x M=2 episodes of 1..3 steps: 4..12 step samples, + 2 strategy samples trained
     assert 6 <= metrics[1]["tokens/samples"] <= 14
     assert metrics[1]["strata/strategy_tokens"] <= 16
+    # strategy samples too: every stale sample is trained as it was drawn, pi_old from its sampling pass
+    assert [metrics[k]["perf/old_logprobs_recomputed"] for k in (1, 2)] == [0, 0] and metrics[1]["perf/old_logprobs_sampled"] > 0
     # FPS keeps the farther pair of the 4 candidates: at least as diverse as the first 2
     assert metrics[1]["strata/diversity_chosen"] >= metrics[1]["strata/diversity_random"] - 1e-9
     assert -1.0 <= metrics[1]["strata/strategy_reward"] <= 1.0
