@@ -371,6 +371,8 @@ def main(args: Args) -> None:
             break
         entry = summarise(script, start, seed, info)
         entry["machine"] = host  # runs of one table may come from different sittings and CPUs
+        if start == "sft":  # and from different warm starts: a run folder does not outlive its machine
+            entry["warm_start"] = {k: result["sft"][k] for k in ("command", "run_dir", "nll", "epoch_s")}
         if variant:
             entry["variant"] = variant
         record(result, entry, args.out)

@@ -121,6 +121,7 @@ def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_mo
     assert [i for i, _ in warm["eval_success"]] == [0, 1] and [i for i, _ in warm["train_success"]] == [1]
     assert str(runs / "sft") in warm["command"] and warm["iteration_s"] > 0 and warm["prompt_tokens"][0][1] > 0
     assert warm["machine"]["cpus"] == os.cpu_count() and "cpu_bf16" in warm["machine"]  # runs may come from different CPUs
+    assert warm["warm_start"]["run_dir"] == r["sft"]["run_dir"] and warm["warm_start"]["nll"] == r["sft"]["nll"]  # and warm starts
     (row,) = r["table"]
     assert row["script"] == "grpo.py" and row["time_ratio_to_grpo"] == 1.0 and row["change_per_seed"] == [
         warm["eval_success"][-1][1] - warm["eval_success"][0][1]]
@@ -146,3 +147,18 @@ def test_prompt_sharing_counts_duplicates_and_shared_prefixes(tiny_model, tmp_pa
     r = json.loads(out.read_text())
     assert (r["samples"], r["distinct_prompts"], r["duplicate_samples"]) == (2, 1, 1)
     assert r["shared_prefix_tokens"] * 2 == r["prompt_tokens"]
+
+
+def test_old_logprobs_from_sampling_match_a_second_pass_and_skip_it(tiny_model, tmp_path):
+    # one rollout of 1 game x 4 episodes x 2 turns, minibatches of 2: the update trains most samples after a step
+    out = tmp_path / "old_logprobs.json"
+    bench("old_logprobs.py", "--model", tiny_model, "--env", "cooking", "--num-tasks", "1", "--group-size", "4",
+          "--max-steps", "2", "--max-new-tokens", "8", "--minibatch-size", "2", "--out", str(out))
+    r = json.loads(out.read_text())
+    recomputed, from_sampling = r["updates"]["recomputed"], r["updates"]["from_sampling"]
+    assert 4 <= r["samples"] <= 8 and r["logprob_abs_diff_max"] < 1e-5  # fp32: the same numbers up to rounding
+    stale = recomputed["perf/old_logprobs_recomputed"]
+    assert stale == r["samples"] - 2 and recomputed["perf/old_logprobs_sampled"] == 0  # all but the 1st minibatch (2)
+    assert (from_sampling["perf/old_logprobs_sampled"], from_sampling["perf/old_logprobs_recomputed"]) == (stale, 0)
+    assert from_sampling["losses/approx_kl_old"] == pytest.approx(recomputed["losses/approx_kl_old"], abs=1e-5)
+    assert r["updated_weights_abs_diff_max"] < 1e-6
