@@ -462,7 +462,7 @@ def test_generation_keeps_the_log_probs_the_update_scores_and_draws_the_same_sam
 def test_the_update_takes_pi_old_of_a_sample_trained_as_sampled_from_its_sampling_pass(tiny_model, module_name):
     from transformers import AutoModelForCausalLM
 
-    settings = dict(minibatch_size=2, kl_coef=0.0, entropy_coef=0.0, temperature=1.0)
+    settings = dict(minibatch_size=2, kl_coef=0.0, entropy_coef=0.0, temperature=0.7)
     # minibatches of update_policy's generator(0): the 2nd one's samples are the stale ones
     first, second = np.array_split(torch.randperm(4, generator=torch.Generator().manual_seed(0)).numpy(), 2)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
@@ -479,7 +479,7 @@ def test_the_update_takes_pi_old_of_a_sample_trained_as_sampled_from_its_samplin
     recomputed = run(None)
     assert (recomputed["perf/old_logprobs_sampled"], recomputed["perf/old_logprobs_recomputed"]) == (0, 2)
     # every sample kept from sampling (at the update's temperature): no second pass, the same update
-    kept = {(1.0, tuple(p), tuple(r)): logp for p, r, logp in zip(PROMPTS, RESPONSES, true_old)}
+    kept = {(0.7, tuple(p), tuple(r)): logp for p, r, logp in zip(PROMPTS, RESPONSES, true_old)}
     reused = run(kept)
     assert (reused["perf/old_logprobs_sampled"], reused["perf/old_logprobs_recomputed"]) == (2, 0)
     for key in ["losses/policy_loss", "losses/approx_kl_old", "losses/clipfrac", "losses/grad_norm"]:
@@ -490,5 +490,5 @@ def test_the_update_takes_pi_old_of_a_sample_trained_as_sampled_from_its_samplin
     tokens = sum(len(RESPONSES[i]) for i in second) / sum(map(len, RESPONSES))
     assert shifted["losses/approx_kl_old"] - recomputed["losses/approx_kl_old"] == pytest.approx(0.25 * tokens, rel=1e-4)
     # log-probs kept at another temperature, or of another prompt, are not pi_old at this one: recomputed
-    elsewhere = {(0.7, p, r): v for (_, p, r), v in kept.items()} | {(1.0, p + (1,), r): v for (_, p, r), v in kept.items()}
+    elsewhere = {(1.0, p, r): v for (_, p, r), v in kept.items()} | {(0.7, p + (1,), r): v for (_, p, r), v in kept.items()}
     assert run(elsewhere)["perf/old_logprobs_recomputed"] == 2
