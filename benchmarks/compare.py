@@ -211,6 +211,8 @@ def summarise(script: str, start: str, seed: int, info: dict) -> dict:
         "valid_rate": [[i, 1 - v] for i, v in series(metrics, "charts/invalid_action_rate")],
         "return": series(metrics, "charts/episode_return"),
         "episode_length": series(metrics, "charts/episode_length"),
+        # how far each update moved the policy: a collapse shows as entropy falling with no wins left
+        "policy": {k: series(metrics, k) for k in ("losses/entropy", "losses/approx_kl_old", "losses/clipfrac")},
         "iteration_s": float(np.mean([r["perf/iteration_s"] for r in rows])) if rows else None,
         "prompt_tokens": series(metrics, "tokens/prompt"),
         "response_tokens": series(metrics, "tokens/response"),

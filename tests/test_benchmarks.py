@@ -120,6 +120,7 @@ def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_mo
     assert (warm["start"], warm["script"], warm["seed"]) == ("sft", "grpo.py", 1)
     assert [i for i, _ in warm["eval_success"]] == [0, 1] and [i for i, _ in warm["train_success"]] == [1]
     assert str(runs / "sft") in warm["command"] and warm["iteration_s"] > 0 and warm["prompt_tokens"][0][1] > 0
+    assert [i for i, _ in warm["policy"]["losses/entropy"]] == [1] and warm["policy"]["losses/entropy"][0][1] > 0
     assert warm["machine"]["cpus"] == os.cpu_count() and "cpu_bf16" in warm["machine"]  # runs may come from different CPUs
     assert warm["warm_start"]["run_dir"] == r["sft"]["run_dir"] and warm["warm_start"]["nll"] == r["sft"]["nll"]  # and warm starts
     (row,) = r["table"]
