@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import tyro
@@ -51,6 +52,9 @@ class Args:
     """samples per optimizer step: with 4 minibatches, 3 of 4 samples are trained after a step (compare.py: 230 / 64)"""
     micro_batch_tokens: int = 4096
     """--micro-batch-tokens"""
+    bf16: Optional[bool] = None
+    """bf16 autocast (None: the scripts' choice by device, `grpo.bf16_is_fast`; in bf16 kept and recomputed
+    log-probs agree only to ~1e-3, since the KV-cache decode and the teacher-forced pass round differently)"""
     out: Path = RESULTS / "old_logprobs.json"
     """JSON result"""
 
@@ -71,7 +75,7 @@ def main(args: Args) -> None:
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     tokenizer, model = grpo.load_policy(model_path, torch.device("cpu"))
-    use_bf16 = grpo.bf16_is_fast(torch.device("cpu"))
+    use_bf16 = grpo.bf16_is_fast(torch.device("cpu")) if args.bf16 is None else args.bf16
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16)  # noqa: E731
     kept = {}
 
