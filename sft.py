@@ -146,7 +146,7 @@ class Args:
     eval_every: int = 1
     """evaluate every N epochs (and before the first and after the last)"""
     num_eval_tasks: int = 128
-    """held-out tasks evaluated each time, per eval split (the same list every time, chosen by seed)"""
+    """held-out tasks evaluated each time, per eval split (the same list every time, chosen by seed; 0: no evaluation)"""
     eval_temperature: float = 0.4
     """sampling temperature of evaluation episodes (as in the RL files); also evaluated at --temperature"""
 
@@ -839,7 +839,10 @@ def update_policy(model, optimizer, scheduler, prompts, responses, args: Args, p
 
 def evaluate_warm_start(spec, runner, tokenizer, generate, args: Args, eval_tasks: dict, rank: int, world_size: int) -> dict:
     """ALGO LOGIC: held-out success at the evaluation temperature (`eval/`, as the RL files log it)
-    and at the RL runs' sampling temperature (`eval_sampling/`): the room a warm start leaves RL."""
+    and at the RL runs' sampling temperature (`eval_sampling/`): the room a warm start leaves RL.
+    With no held-out task (--num-eval-tasks 0) nothing is played and nothing is logged."""
+    if not any(eval_tasks.values()):
+        return {}
     metrics = evaluate(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size)
     sampling = replace(args, eval_temperature=args.temperature)
     at_sampling = evaluate(spec, runner, tokenizer, generate, sampling, eval_tasks, rank, world_size)

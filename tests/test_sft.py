@@ -111,6 +111,18 @@ def test_sft_trains_checkpoints_resumes_and_warm_starts_grpo_and_proas(tiny_mode
         assert "charts/success_rate" in read_metrics(only_run(tmp_path / script))[1]
 
 
+def test_no_held_out_task_plays_no_evaluation_and_logs_none(tiny_model, tmp_path):
+    """--num-eval-tasks 0 (a warm start whose RL runs measure it on their own held-out lists): no
+    evaluation episode, no eval/ or eval_sampling/ key (they were NaN), the epoch still trains."""
+    out = run_script("sft.py", "--model", tiny_model, *SFT_FLAGS, "--num-eval-tasks", "0", "--epochs", "1",
+                     "--output-dir", str(tmp_path / "runs"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = read_metrics(only_run(tmp_path / "runs"))
+    assert sorted(metrics) == [0, 1] and metrics[0]["demos/samples"] == 10 and metrics[1]["losses/nll"] > 0
+    assert not [k for row in metrics.values() for k in row if k.startswith("eval")]
+    assert "epoch 1: nll" in out.stdout + out.stderr and "eval success" not in out.stdout + out.stderr
+
+
 def test_an_env_without_expert_trajectories_is_one_clear_line(tiny_model, tmp_path):
     """Search questions with no successful trajectory on disk have no demonstration."""
     questions = SHARED_DATA / "search_qa" / "questions" / "flashrag_format"
