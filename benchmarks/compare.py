@@ -24,6 +24,7 @@ is 128, or its first --num-eval-tasks games by seed: the same list for every scr
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import shutil
 import sys
@@ -238,13 +239,24 @@ def record(result: dict, entry: dict, path: Path) -> None:
 
 
 # ---- the report --------------------------------------------------------------------------------
+def fisher_exact_p(wins_a: int, wins_b: int, n: int) -> float:
+    """Two-sided Fisher exact test of wins_a/n against wins_b/n (the same n held-out games before and
+    after): the probability, with the total wins fixed, of a split at most as likely as the one seen."""
+    total = wins_a + wins_b
+    split = lambda k: math.comb(n, k) * math.comb(n, total - k) / math.comb(2 * n, total)  # noqa: E731
+    seen = split(wins_a)
+    return min(1.0, sum(split(k) for k in range(max(0, total - n), min(n, total) + 1) if split(k) <= seen * (1 + 1e-9)))
+
+
 def at(points: list, iteration: int):
     return next((v for i, v in points if i == iteration), None)
 
 
 def table(result: dict) -> list[dict]:
     """Per (start, script): held-out success at the first and last evaluation (mean and range over
-    seeds), the change per seed, iteration time against grpo.py of the same start and seed, tokens."""
+    seeds), the change per seed with its Fisher exact p (start against end on the same games),
+    iteration time against grpo.py of the same start and seed, tokens."""
+    n_games = int(result.get("setting", {}).get("num_eval_tasks") or 0)
     rows = []
     for start in ("sft", "cold"):
         runs = [r for r in result["runs"] if r["start"] == start and not r.get("variant")]
@@ -262,6 +274,8 @@ def table(result: dict) -> list[dict]:
                 "eval_start": float(np.mean(first)), "eval_end": float(np.mean(last)),
                 "eval_end_range": [float(min(last)), float(max(last))],
                 "change_per_seed": [b - a for a, b in zip(first, last)],
+                "fisher_p_per_seed": [fisher_exact_p(round(a * n_games), round(b * n_games), n_games) for a, b in zip(first, last)]
+                if n_games else None,
                 "train_success_last": float(np.mean([r["train_success"][-1][1] for r in mine if r["train_success"]])),
                 "iteration_s": float(np.mean([r["iteration_s"] for r in mine if r["iteration_s"]])),
                 "time_ratio_to_grpo": float(np.mean(ratios)) if ratios else None,
@@ -272,14 +286,19 @@ def table(result: dict) -> list[dict]:
     return rows
 
 
+def changes(row: dict) -> str:
+    ps = row.get("fisher_p_per_seed") or [None] * len(row["change_per_seed"])
+    return ", ".join(f"{c:+.3f}" + (f" (p {p:.2g})" if p is not None else "") for c, p in zip(row["change_per_seed"], ps))
+
+
 def markdown(rows: list[dict]) -> str:
-    lines = ["| start | method | held-out success, start -> end (seeds' range) | change per seed | s / iteration (x grpo.py) "
+    lines = ["| start | method | held-out success, start -> end (seeds' range) | change per seed (Fisher p) | s / iteration (x grpo.py) "
              "| prompt / response tokens per iteration | paper's claim |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         ratio = f" (x{r['time_ratio_to_grpo']:.2f})" if r["time_ratio_to_grpo"] else ""
         lines.append(f"| {r['start']} | {r['script']} | {r['eval_start']:.3f} -> {r['eval_end']:.3f} "
                      f"({r['eval_end_range'][0]:.3f}-{r['eval_end_range'][1]:.3f}) | "
-                     f"{', '.join(f'{c:+.3f}' for c in r['change_per_seed'])} | {r['iteration_s']:.0f}{ratio} | "
+                     f"{changes(r)} | {r['iteration_s']:.0f}{ratio} | "
                      f"{r['prompt_tokens_per_iteration']:.0f} / {r['response_tokens_per_iteration']:.0f} | {r['paper']} |")
     return "\n".join(lines)
 

@@ -132,6 +132,21 @@ def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_mo
     assert " ... -> " not in again.stdout and len(load(out)["runs"]) == 1
 
 
+def test_compare_tests_start_against_end_with_fisher_exact_on_the_same_games(monkeypatch):
+    spec = importlib.util.spec_from_file_location("compare", REPO / "benchmarks" / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "compare", module)
+    spec.loader.exec_module(module)
+    # by hand: 0/3 against 3/3, 3 wins in 6 games; splits (0,3) and (3,0) each have C(3,0)C(3,3)/C(6,3) = 1/20, the others 9/20
+    assert module.fisher_exact_p(0, 3, 3) == pytest.approx(0.1)
+    assert module.fisher_exact_p(1, 2, 3) == pytest.approx(1.0)  # 9/20 + the three splits at most as likely: all of them
+    assert module.fisher_exact_p(2, 0, 2) == pytest.approx(1 / 3)  # 2 wins in 4: (2,0) and (0,2) each 1/6
+    rows = module.table({"setting": {"num_eval_tasks": 3}, "runs": [
+        {"script": "grpo.py", "start": "sft", "seed": s, "eval_success": [[0, 0.0], [6, e]], "train_success": [[6, 0.5]],
+         "iteration_s": 10.0, "prompt_tokens": [[1, 5]], "response_tokens": [[1, 1]]} for s, e in ((1, 1.0), (2, 1 / 3))]})
+    assert rows[0]["fisher_p_per_seed"] == pytest.approx([0.1, 1.0]) and "+1.000 (p 0.1)" in module.markdown(rows)
+
+
 def test_prompt_sharing_counts_duplicates_and_shared_prefixes(tiny_model, tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("prompt_sharing", REPO / "benchmarks" / "prompt_sharing.py")
     module = importlib.util.module_from_spec(spec)
