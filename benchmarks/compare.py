@@ -323,7 +323,7 @@ def plot(result: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     s = result.get("setting", {})
-    fig.suptitle(f"{s.get('env')}, SmolLM2-135M: {s.get('num_tasks')} tasks x {s.get('group_size')} episodes\n"
+    fig.suptitle(f"{s.get('env')}, SmolLM2-135M: {s.get('num_tasks')} tasks x {s.get('group_size')} episodes, lr {s.get('learning_rate')}\n"
                  f"eval on {s.get('num_eval_tasks')} held-out games at T={s.get('eval_temperature')}; band: min-max over seeds",
                  fontsize=10)
     fig.tight_layout()
@@ -341,9 +341,10 @@ def report(args: Args, result: dict) -> None:
 def main(args: Args) -> None:
     deadline = time.time() + args.max_minutes * 60
     result = load(args.out)
-    result.update({"benchmark": "compare", "setting": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(args).items()
-                                                       if k not in ("stage", "max_minutes", "out", "runs_dir")},
-                   "machine": machine()})
+    setting = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(args).items() if k not in ("stage", "max_minutes", "out", "runs_dir")}
+    if args.stage == "report" and "setting" in result:  # a summary of runs made earlier keeps the setting they ran with
+        setting = result["setting"]
+    result.update({"benchmark": "compare", "setting": setting, "machine": result.get("machine", machine()) if args.stage == "report" else machine()})
     base_model = resolve_model(args.model)
     host = result["machine"]
     if args.stage != "report" and not host.get("cuda") and not host.get("cpu_bf16"):

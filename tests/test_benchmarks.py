@@ -130,6 +130,9 @@ def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_mo
     sft_run = Path(r["sft"]["run_dir"])
     again = bench("compare.py", *flags, "--sft-run", str(sft_run), timeout=300)
     assert " ... -> " not in again.stdout and len(load(out)["runs"]) == 1
+    # `--stage report` summarises what landed under the setting it ran with, not the flags of the report call
+    bench("compare.py", *flags[2:], "--stage", "report", "--learning-rate", "0.5", timeout=300)
+    assert load(out)["setting"]["learning_rate"] == 2e-5 and load(out)["table"][0]["script"] == "grpo.py"
 
 
 def test_compare_tests_start_against_end_with_fisher_exact_on_the_same_games(monkeypatch):
