@@ -110,7 +110,7 @@ def test_inspect_policy_counts_the_answers_it_samples(tiny_model, tmp_path):
 def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_model, tmp_path):
     out, runs = tmp_path / "compare.json", tmp_path / "runs"
     flags = ["--stage", "warm", "--model", tiny_model, "--env", "cooking", "--seeds", "1", "--methods", "grpo.py",
-             "--sft-num-tasks", "1", "--sft-epochs", "1", "--iterations", "1", "--num-tasks", "1", "--group-size", "2",
+             "--sft-num-tasks", "1", "--sft-epochs", "1", "--sft-num-eval-tasks", "1", "--iterations", "1", "--num-tasks", "1", "--group-size", "2",
              "--max-steps", "2", "--max-new-tokens", "8", "--num-eval-tasks", "1", "--eval-every", "1",
              "--extra-flags=--no-gradient-checkpointing --num-env-workers 1", "--out", str(out), "--runs-dir", str(runs)]
     bench("compare.py", *flags, timeout=900)
@@ -119,6 +119,7 @@ def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_mo
     (warm,) = r["runs"]
     assert (warm["start"], warm["script"], warm["seed"]) == ("sft", "grpo.py", 1)
     assert [i for i, _ in warm["eval_success"]] == [0, 1] and [i for i, _ in warm["train_success"]] == [1]
+    assert "--invalid-penalty 0.0 " in warm["command"] and "--num-eval-tasks 1 " in r["sft"]["command"]
     assert str(runs / "sft") in warm["command"] and warm["iteration_s"] > 0 and warm["prompt_tokens"][0][1] > 0
     assert [i for i, _ in warm["policy"]["losses/entropy"]] == [1] and warm["policy"]["losses/entropy"][0][1] > 0
     assert warm["machine"]["cpus"] == os.cpu_count() and "cpu_bf16" in warm["machine"]  # runs may come from different CPUs
@@ -132,7 +133,7 @@ def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_mo
     assert " ... -> " not in again.stdout and len(load(out)["runs"]) == 1
     # `--stage report` summarises what landed under the setting it ran with, not the flags of the report call
     bench("compare.py", *flags[2:], "--stage", "report", "--learning-rate", "0.5", timeout=300)
-    assert load(out)["setting"]["learning_rate"] == 2e-5 and load(out)["table"][0]["script"] == "grpo.py"
+    assert load(out)["setting"]["learning_rate"] == 1e-5 and load(out)["table"][0]["script"] == "grpo.py"
 
 
 def test_compare_tests_start_against_end_with_fisher_exact_on_the_same_games(monkeypatch):
