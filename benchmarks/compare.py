@@ -177,6 +177,7 @@ def drive(script: str, flags: list[str], output_dir: Path, last: int, deadline: 
     print(f"{time.strftime('%H:%M:%S')} {script} {' '.join(call[:2])} ... -> {output_dir}", flush=True)
     info = run_training(script, call, output_dir, output_dir.with_suffix(".log"), deadline_s=left)
     run_dir = run_dir_of(output_dir)
+    info["run_dir"] = str(run_dir) if run_dir is not None else None  # run_training names new folders only, not a resumed one
     if run_dir is not None and not (run_dir / "command.json").exists():
         (run_dir / "command.json").write_text(json.dumps({"command": "python " + " ".join([script, *flags])}))
     if info["killed_at_deadline"]:
@@ -370,7 +371,9 @@ def main(args: Args) -> None:
                  if v is not None and k not in ("run_name", "resume")]
         info = {"run_dir": str(args.sft_run), "command": "python sft.py " + " ".join(typed)}
     elif args.stage in ("all", "sft", "warm", "diagnostics"):
-        info = drive("sft.py", sft_flags(args, base_model), args.runs_dir / "sft", args.sft_epochs, deadline, "--epochs")
+        # not runs_dir/sft: the warm runs live in runs_dir/sft/<script>-seed<n>, which run_dir_of would take for the
+        # newest sft.py run (and, finding no checkpoint in it, delete as a run killed before its first one)
+        info = drive("sft.py", sft_flags(args, base_model), args.runs_dir / "warm-start", args.sft_epochs, deadline, "--epochs")
         if info is None:
             print("stopped at the time limit (sft.py resumes next time)")
             return report(args, result)

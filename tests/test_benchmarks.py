@@ -120,7 +120,7 @@ def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_mo
     assert (warm["start"], warm["script"], warm["seed"]) == ("sft", "grpo.py", 1)
     assert [i for i, _ in warm["eval_success"]] == [0, 1] and [i for i, _ in warm["train_success"]] == [1]
     assert "--invalid-penalty 0.0 " in warm["command"] and "--num-eval-tasks 1 " in r["sft"]["command"]
-    assert str(runs / "sft") in warm["command"] and warm["iteration_s"] > 0 and warm["prompt_tokens"][0][1] > 0
+    assert str(runs / "warm-start") in warm["command"] and warm["iteration_s"] > 0 and warm["prompt_tokens"][0][1] > 0
     assert [i for i, _ in warm["policy"]["losses/entropy"]] == [1] and warm["policy"]["losses/entropy"][0][1] > 0
     assert warm["machine"]["cpus"] == os.cpu_count() and "cpu_bf16" in warm["machine"]  # runs may come from different CPUs
     assert warm["warm_start"]["run_dir"] == r["sft"]["run_dir"] and warm["warm_start"]["nll"] == r["sft"]["nll"]  # and warm starts
@@ -131,6 +131,11 @@ def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_mo
     sft_run = Path(r["sft"]["run_dir"])
     again = bench("compare.py", *flags, "--sft-run", str(sft_run), timeout=300)
     assert " ... -> " not in again.stdout and len(load(out)["runs"]) == 1
+    # one more iteration resumes that run in its own folder, and its entry reads that folder's metrics
+    bench("compare.py", *[("2" if f == "1" and flags[k - 1] == "--iterations" else f) for k, f in enumerate(flags)], timeout=600)
+    (warm,) = load(out)["runs"]
+    assert [i for i, _ in warm["eval_success"]] == [0, 1, 2] and [i for i, _ in warm["train_success"]] == [1, 2]
+    assert warm["run_dir"] == r["runs"][0]["run_dir"]
     # `--stage report` summarises what landed under the setting it ran with, not the flags of the report call
     bench("compare.py", *flags[2:], "--stage", "report", "--learning-rate", "0.5", timeout=300)
     assert load(out)["setting"]["learning_rate"] == 1e-5 and load(out)["table"][0]["script"] == "grpo.py"
