@@ -331,7 +331,8 @@ def plot(result: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     s = result.get("setting", {})
-    fig.suptitle(f"{s.get('env')}, SmolLM2-135M: {s.get('num_tasks')} tasks x {s.get('group_size')} episodes, lr {s.get('learning_rate')}\n"
+    fig.suptitle(f"{s.get('env')}, SmolLM2-135M: {s.get('num_tasks')} tasks x {s.get('group_size')} episodes, lr {s.get('learning_rate')}, "
+                 f"invalid penalty {s.get('invalid_penalty', 0.1)}\n"
                  f"eval on {s.get('num_eval_tasks')} held-out games at T={s.get('eval_temperature')}; band: min-max over seeds",
                  fontsize=10)
     fig.tight_layout()
