@@ -347,12 +347,25 @@ def report(args: Args, result: dict) -> None:
     print(markdown(result["table"]))
 
 
+def merged_setting(old: dict, new: dict) -> dict:
+    """The setting of one JSON filled over several calls: where everything else matches, the seeds and
+    methods are those of every call, not only the latest one's. A rebuilt warm start (`sft_run`) still
+    counts as the same setting: each run's entry names its own."""
+    lists = ("seeds", "methods", "cold_methods")
+    if not old or any(old.get(k) != v for k, v in new.items() if k not in (*lists, "sft_run")):
+        return new
+    return {**new, **{k: sorted(set(old.get(k, [])) | set(new[k])) if k == "seeds" else list(dict.fromkeys([*old.get(k, []), *new[k]]))
+                      for k in lists if k in new}}
+
+
 def main(args: Args) -> None:
     deadline = time.time() + args.max_minutes * 60
     result = load(args.out)
     setting = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(args).items() if k not in ("stage", "max_minutes", "out", "runs_dir")}
     if args.stage == "report" and "setting" in result:  # a summary of runs made earlier keeps the setting they ran with
         setting = result["setting"]
+    else:
+        setting = merged_setting(result.get("setting", {}), setting)
     result.update({"benchmark": "compare", "setting": setting, "machine": result.get("machine", machine()) if args.stage == "report" else machine()})
     base_model = resolve_model(args.model)
     host = result["machine"]

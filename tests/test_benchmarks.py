@@ -156,6 +156,20 @@ def test_compare_tests_start_against_end_with_fisher_exact_on_the_same_games(mon
     assert rows[0]["fisher_p_per_seed"] == pytest.approx([0.1, 1.0]) and "+1.000 (p 0.1)" in module.markdown(rows)
 
 
+def test_compare_setting_lists_every_seed_and_method_of_one_setting(monkeypatch):
+    spec = importlib.util.spec_from_file_location("compare", REPO / "benchmarks" / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "compare", module)
+    spec.loader.exec_module(module)
+    first = {"seeds": [2], "methods": ["grpo.py"], "cold_methods": ["grpo.py"], "learning_rate": 1e-5, "sft_run": "a"}
+    later = {"seeds": [1], "methods": ["gigpo.py", "grpo.py"], "cold_methods": ["grpo.py"], "learning_rate": 1e-5, "sft_run": "b"}
+    merged = module.merged_setting(first, later)
+    assert merged["seeds"] == [1, 2] and merged["methods"] == ["grpo.py", "gigpo.py"] and merged["sft_run"] == "b"
+    # another learning rate is another setting: the latest call's lists stand alone
+    assert module.merged_setting({**first, "learning_rate": 1e-4}, later) == later
+    assert module.merged_setting({}, later) == later
+
+
 def test_prompt_sharing_counts_duplicates_and_shared_prefixes(tiny_model, tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("prompt_sharing", REPO / "benchmarks" / "prompt_sharing.py")
     module = importlib.util.module_from_spec(spec)
