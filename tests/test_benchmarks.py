@@ -203,3 +203,30 @@ def test_old_logprobs_from_sampling_match_a_second_pass_and_skip_it(tiny_model, 
     assert (from_sampling["perf/old_logprobs_sampled"], from_sampling["perf/old_logprobs_recomputed"]) == (stale, 0)
     assert from_sampling["losses/approx_kl_old"] == pytest.approx(recomputed["losses/approx_kl_old"], abs=1e-5)
     assert r["updated_weights_abs_diff_max"] < 1e-6
+
+
+def test_guidance_probe_shows_the_whole_plan_at_k_equals_K_and_counts_hinted_actions_taken(tiny_model, tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("guidance_probe", REPO / "benchmarks" / "guidance_probe.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "guidance_probe", module)  # its dataclass looks itself up there
+    spec.loader.exec_module(module)
+
+    class Turn:
+        def __init__(self, action):
+            self.action = action
+
+    class Played:  # hint of 3 actions, 2 turns played: the first matches up to case and spaces, the second does not
+        hint = ["open fridge", "take apple from fridge", "prepare meal"]
+        turns = [Turn("Open  Fridge"), Turn("look")]
+
+    assert module.followed_hint(Played()) == (1, 2)
+    # through the script: one game, unguided then with its whole walkthrough shown
+    out = tmp_path / "probe.json"
+    bench("guidance_probe.py", "--model", tiny_model, "--env", "cooking", "--num-tasks", "1", "--episodes", "2",
+          "--hint-fractions", "0", "1", "--max-steps", "2", "--max-new-tokens", "4", "--out", str(out))
+    r = json.loads(out.read_text())
+    plan = r["plans"][0]
+    assert len(plan) >= 2 and [row["k_mean"] for row in r["rows"]] == [0.0, float(len(plan))]
+    assert [row["episodes"] for row in r["rows"]] == [2, 2] and r["rows"][0]["hint_step_match_rate"] is None
+    assert 0.0 <= r["rows"][1]["hint_step_match_rate"] <= 1.0
+    assert r["transcripts"][0]["hint"] == plan and 1 <= len(r["transcripts"][0]["actions"]) <= 2
