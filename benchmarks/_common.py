@@ -110,8 +110,17 @@ def tail(path: str | Path, n: int = 2000) -> str:
     return text[-n:]
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name (Linux): runs timed on different CPUs differ by 2x or more at fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
 def machine() -> dict:
-    info = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()}
+    info = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(), "cpu": cpu_model()}
     try:
         import torch
 

@@ -84,8 +84,8 @@ class Args:
     sft_run: Optional[Path] = None
     """an sft.py run already made (its checkpoint/model is the warm start) instead of running sft.py here"""
     # the RL runs
-    iterations: int = 6
-    """--total-iterations of every RL run"""
+    iterations: int = 4
+    """--total-iterations of every RL run (4: grpo.py rose 0.28-0.31 held-out on both seeds within them)"""
     num_tasks: int = 4
     """--num-tasks (groups per iteration)"""
     group_size: int = 8
@@ -110,10 +110,11 @@ class Args:
     """--eval-temperature (the held-out success the warm start is tuned for is at the training temperature)"""
     num_eval_tasks: int = 32
     """held-out games (the same list for every script of a seed)"""
-    eval_every: int = 3
+    eval_every: int = 2
     """--eval-every"""
-    extra_flags: str = "--no-gradient-checkpointing --micro-batch-tokens 4096 --num-env-workers 2"
-    """flags every run gets, one string (CPU: no checkpointing, 4k-token micro-batches; bf16 is the scripts' choice by device)"""
+    extra_flags: str = "--no-gradient-checkpointing --micro-batch-tokens 4096 --num-env-workers 2 --logprob-chunk-tokens 2048"
+    """flags every run gets, one string (CPU: no checkpointing, 4k-token micro-batches, 2k-row logit chunks; bf16 is the
+    scripts' choice by device)"""
     max_minutes: float = 1e9
     """stop after this many minutes (the run in progress is killed and resumes next time)"""
     runs_dir: Path = REPO / "runs" / "compare"
@@ -260,22 +261,30 @@ def at(points: list, iteration: int):
     return next((v for i, v in points if i == iteration), None)
 
 
+def same_machine(run: dict, other: dict) -> bool:
+    """Whether two runs' seconds compare: the same CPU (model, cores, kernel build), GPU and bf16 path.
+    One seed's runs may span sittings on different machines, 2x apart at fp32."""
+    a, b = run.get("machine") or {}, other.get("machine") or {}
+    return all(a.get(k) == b.get(k) for k in ("platform", "cpu", "cpus", "cuda", "cpu_bf16"))
+
+
 def table(result: dict) -> list[dict]:
     """Per (start, script): held-out success at the first and last evaluation (mean and range over
     seeds), the change per seed with its Fisher exact p (start against end on the same games),
-    iteration time against grpo.py of the same start and seed, tokens."""
+    iteration time against grpo.py of the same start and seed on the same machine, tokens."""
     n_games = int(result.get("setting", {}).get("num_eval_tasks") or 0)
     rows = []
     for start in ("sft", "cold"):
         runs = [r for r in result["runs"] if r["start"] == start and not r.get("variant")]
         base = {r["seed"]: r for r in runs if r["script"] == "grpo.py"}
         for script in dict.fromkeys(r["script"] for r in runs):
-            mine = [r for r in runs if r["script"] == script and r["eval_success"]]
+            mine = sorted((r for r in runs if r["script"] == script and r["eval_success"]), key=lambda r: r["seed"])
             if not mine:
                 continue
             first = [r["eval_success"][0][1] for r in mine]
             last = [r["eval_success"][-1][1] for r in mine]
-            ratios = [r["iteration_s"] / base[r["seed"]]["iteration_s"] for r in mine if r["seed"] in base and r["iteration_s"]]
+            timed = [r for r in mine if r["seed"] in base and r["iteration_s"] and same_machine(r, base[r["seed"]])]
+            ratios = [r["iteration_s"] / base[r["seed"]]["iteration_s"] for r in timed]
             rows.append({
                 "start": start, "script": script, "seeds": [r["seed"] for r in mine],
                 "last_iteration": min(r["eval_success"][-1][0] for r in mine),
@@ -286,7 +295,9 @@ def table(result: dict) -> list[dict]:
                 if n_games else None,
                 "train_success_last": float(np.mean([r["train_success"][-1][1] for r in mine if r["train_success"]])),
                 "iteration_s": float(np.mean([r["iteration_s"] for r in mine if r["iteration_s"]])),
+                "iteration_s_per_seed": [r["iteration_s"] for r in mine],  # seeds may have run on different CPUs
                 "time_ratio_to_grpo": float(np.mean(ratios)) if ratios else None,
+                "time_ratio_seeds": [r["seed"] for r in timed],
                 "prompt_tokens_per_iteration": float(np.mean([v for r in mine for _, v in r["prompt_tokens"]])),
                 "response_tokens_per_iteration": float(np.mean([v for r in mine for _, v in r["response_tokens"]])),
                 "paper": PAPER_CLAIMS.get(script, ""),
@@ -300,13 +311,15 @@ def changes(row: dict) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| start | method | held-out success, start -> end (seeds' range) | change per seed (Fisher p) | s / iteration (x grpo.py) "
+    lines = ["| start | method | held-out success, start -> end (seeds' range) | change per seed (Fisher p) | s / iteration per seed (x grpo.py) "
              "| prompt / response tokens per iteration | paper's claim |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        ratio = f" (x{r['time_ratio_to_grpo']:.2f})" if r["time_ratio_to_grpo"] else ""
+        timed = r.get("time_ratio_seeds", r["seeds"])
+        ratio = f" (x{r['time_ratio_to_grpo']:.2f}{'' if timed == r['seeds'] else ', seeds ' + ','.join(map(str, timed))})" \
+            if r["time_ratio_to_grpo"] else ""
         lines.append(f"| {r['start']} | {r['script']} | {r['eval_start']:.3f} -> {r['eval_end']:.3f} "
                      f"({r['eval_end_range'][0]:.3f}-{r['eval_end_range'][1]:.3f}) | "
-                     f"{changes(r)} | {r['iteration_s']:.0f}{ratio} | "
+                     f"{changes(r)} | {', '.join(f'{v:.0f}' for v in r.get('iteration_s_per_seed') or [r['iteration_s']] if v)}{ratio} | "
                      f"{r['prompt_tokens_per_iteration']:.0f} / {r['response_tokens_per_iteration']:.0f} | {r['paper']} |")
     return "\n".join(lines)
 
@@ -371,8 +384,8 @@ def main(args: Args) -> None:
     host = result["machine"]
     if args.stage != "report" and not host.get("cuda") and not host.get("cpu_bf16"):
         print("note: this CPU has no bf16 matrix instructions, so the runs are fp32, about 4.5x slower than on an "
-              "AVX512-BF16 CPU (benchmarks/results/profile_avx2_fp32.json): a warm run of the default setting takes "
-              "about 4.5 h on 2 such cores, beyond one sitting", flush=True)
+              "AVX512-BF16 CPU (benchmarks/results/profile_avx2_fp32.json): a warm run of the default setting took "
+              "75-90 min on 2 AVX-512 Xeon cores and about 2.3 h on 2 AVX2 EPYC cores", flush=True)
 
     # 1. the warm start
     warm_model = None

@@ -122,7 +122,7 @@ def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_mo
     assert "--invalid-penalty 0.0 " in warm["command"] and "--num-eval-tasks 1 " in r["sft"]["command"]
     assert str(runs / "warm-start") in warm["command"] and warm["iteration_s"] > 0 and warm["prompt_tokens"][0][1] > 0
     assert [i for i, _ in warm["policy"]["losses/entropy"]] == [1] and warm["policy"]["losses/entropy"][0][1] > 0
-    assert warm["machine"]["cpus"] == os.cpu_count() and "cpu_bf16" in warm["machine"]  # runs may come from different CPUs
+    assert warm["machine"]["cpus"] == os.cpu_count() and "cpu_bf16" in warm["machine"] and "cpu" in warm["machine"]  # runs may come from different CPUs
     assert warm["warm_start"]["run_dir"] == r["sft"]["run_dir"] and warm["warm_start"]["nll"] == r["sft"]["nll"]  # and warm starts
     (row,) = r["table"]
     assert row["script"] == "grpo.py" and row["time_ratio_to_grpo"] == 1.0 and row["change_per_seed"] == [
@@ -154,6 +154,26 @@ def test_compare_tests_start_against_end_with_fisher_exact_on_the_same_games(mon
         {"script": "grpo.py", "start": "sft", "seed": s, "eval_success": [[0, 0.0], [6, e]], "train_success": [[6, 0.5]],
          "iteration_s": 10.0, "prompt_tokens": [[1, 5]], "response_tokens": [[1, 1]]} for s, e in ((1, 1.0), (2, 1 / 3))]})
     assert rows[0]["fisher_p_per_seed"] == pytest.approx([0.1, 1.0]) and "+1.000 (p 0.1)" in module.markdown(rows)
+
+
+def test_compare_time_ratio_uses_only_seeds_timed_on_grpos_machine(monkeypatch):
+    spec = importlib.util.spec_from_file_location("compare", REPO / "benchmarks" / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "compare", module)
+    spec.loader.exec_module(module)
+    xeon, epyc = {"cpu": "Xeon", "cpus": 2, "platform": "p"}, {"cpu": "EPYC", "cpus": 2, "platform": "p"}
+
+    def run(script, seed, seconds, machine):
+        return {"script": script, "start": "sft", "seed": seed, "eval_success": [[0, 0.0], [4, 0.5]], "train_success": [[4, 0.5]],
+                "iteration_s": seconds, "prompt_tokens": [[1, 5]], "response_tokens": [[1, 1]], "machine": machine}
+    # seed 1: both on the Xeon, 12 s against 10 s; seed 2: grpo.py on the EPYC (20 s), gigpo.py on the Xeon (9 s)
+    rows = module.table({"setting": {"num_eval_tasks": 2}, "runs": [
+        run("grpo.py", 2, 20.0, epyc), run("grpo.py", 1, 10.0, xeon), run("gigpo.py", 1, 12.0, xeon), run("gigpo.py", 2, 9.0, xeon)]})
+    grpo, gigpo = rows
+    # by hand: only seed 1 pairs one machine, 12 / 10 = 1.2 (mixing in seed 2 would give (1.2 + 0.45) / 2 = 0.825)
+    assert gigpo["time_ratio_to_grpo"] == pytest.approx(1.2) and gigpo["time_ratio_seeds"] == [1]
+    assert grpo["seeds"] == [1, 2] and grpo["iteration_s_per_seed"] == [10.0, 20.0] and grpo["time_ratio_seeds"] == [1, 2]
+    assert "| 12, 9 (x1.20, seeds 1) |" in module.markdown(rows)
 
 
 def test_compare_setting_lists_every_seed_and_method_of_one_setting(monkeypatch):
