@@ -12,7 +12,8 @@ One command drives the scripts through their command line, as a user would:
    with the same seeds, tasks per iteration, episodes per task, iterations, env, flags and held-out
    list (StraTA: N strategies x M episodes = the same episodes per task).
 3. Cold runs: grpo.py and actguide.py from the base model (no SFT), same env.
-4. Diagnostics runs: pats.py --no-adapt (the paper's token comparator), one seed.
+4. Diagnostics runs, one seed each: pats.py --no-adapt (the paper's token comparator) and strata.py
+   --no-judgment (whether its self-judgment penalty is what drives its winless groups' updates).
 
 Resumable: each run writes a checkpoint every iteration; a finished run is skipped, an unfinished
 one continues with --resume, and each run's entry in benchmarks/results/compare.json is written
@@ -56,6 +57,12 @@ METHOD_FLAGS = {
     "actguide.py": [],
     "pats.py": ["--reviewer", "rules"],
 }
+
+# One seed each, beside the warm runs of the same script: (script, flags, variant name)
+DIAGNOSTIC_RUNS = [
+    ("pats.py", ["--no-adapt"], "no-adapt"),  # PATS's token comparator: the whole bank, never cut
+    ("strata.py", ["--no-judgment"], "no-judgment"),  # seed 1: winless groups' only contrast was the judge's penalty
+]
 
 
 @dataclass
@@ -419,7 +426,7 @@ def main(args: Args) -> None:
     if args.stage in ("all", "cold"):
         plan += [("cold", s, seed, [], "") for seed in args.seeds for s in args.cold_methods]
     if args.stage in ("all", "diagnostics"):
-        plan += [("sft", "pats.py", args.seeds[0], ["--no-adapt"], "no-adapt")]
+        plan += [("sft", script, args.seeds[0], flags, variant) for script, flags, variant in DIAGNOSTIC_RUNS]
     for start, script, seed, variant_flags, variant in plan:
         model = warm_model if start == "sft" else base_model
         flags = ["--model", model, *common_flags(args, seed), *method_flags(args, script), *variant_flags]
