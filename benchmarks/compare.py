@@ -275,6 +275,19 @@ def same_machine(run: dict, other: dict) -> bool:
     return all(a.get(k) == b.get(k) for k in ("platform", "cpu", "cpus", "cuda", "cpu_bf16"))
 
 
+def against_grpo(mine: list[dict], base: dict[int, dict], n_games: int) -> dict:
+    """End-of-run held-out wins against grpo.py's, pooled over the seeds both ran (each seed plays its
+    own fixed list, the same for both scripts), with a two-sided Fisher exact p on the pooled counts."""
+    shared = [r for r in mine if r["seed"] in base and base[r["seed"]]["eval_success"]]
+    if not n_games or not shared or mine[0]["script"] == "grpo.py":
+        return {}
+    wins = sum(round(r["eval_success"][-1][1] * n_games) for r in shared)
+    grpo_wins = sum(round(base[r["seed"]]["eval_success"][-1][1] * n_games) for r in shared)
+    games = n_games * len(shared)
+    return {"end_vs_grpo": {"seeds": [r["seed"] for r in shared], "wins": wins, "grpo_wins": grpo_wins, "games": games,
+                            "fisher_p": fisher_exact_p(wins, grpo_wins, games)}}
+
+
 def table(result: dict) -> list[dict]:
     """Per (start, script): held-out success at the first and last evaluation (mean and range over
     seeds), the change per seed with its Fisher exact p (start against end on the same games),
@@ -307,6 +320,7 @@ def table(result: dict) -> list[dict]:
                 "time_ratio_seeds": [r["seed"] for r in timed],
                 "prompt_tokens_per_iteration": float(np.mean([v for r in mine for _, v in r["prompt_tokens"]])),
                 "response_tokens_per_iteration": float(np.mean([v for r in mine for _, v in r["response_tokens"]])),
+                **against_grpo(mine, base, n_games),
                 "paper": PAPER_CLAIMS.get(script, ""),
             })
     return rows
@@ -318,15 +332,18 @@ def changes(row: dict) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| start | method | held-out success, start -> end (seeds' range) | change per seed (Fisher p) | s / iteration per seed (x grpo.py) "
-             "| prompt / response tokens per iteration | paper's claim |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| start | method | held-out success, start -> end (seeds' range) | change per seed (Fisher p) "
+             "| end wins against grpo.py's, same seeds (Fisher p) | s / iteration per seed (x grpo.py) "
+             "| prompt / response tokens per iteration | paper's claim |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
+        vs = r.get("end_vs_grpo")
+        vs = f"{vs['wins']} vs {vs['grpo_wins']} of {vs['games']} (p {vs['fisher_p']:.2g})" if vs else ""
         timed = r.get("time_ratio_seeds", r["seeds"])
         ratio = f" (x{r['time_ratio_to_grpo']:.2f}{'' if timed == r['seeds'] else ', seeds ' + ','.join(map(str, timed))})" \
             if r["time_ratio_to_grpo"] else ""
         lines.append(f"| {r['start']} | {r['script']} | {r['eval_start']:.3f} -> {r['eval_end']:.3f} "
                      f"({r['eval_end_range'][0]:.3f}-{r['eval_end_range'][1]:.3f}) | "
-                     f"{changes(r)} | {', '.join(f'{v:.0f}' for v in r.get('iteration_s_per_seed') or [r['iteration_s']] if v)}{ratio} | "
+                     f"{changes(r)} | {vs} | {', '.join(f'{v:.0f}' for v in r.get('iteration_s_per_seed') or [r['iteration_s']] if v)}{ratio} | "
                      f"{r['prompt_tokens_per_iteration']:.0f} / {r['response_tokens_per_iteration']:.0f} | {r['paper']} |")
     return "\n".join(lines)
 

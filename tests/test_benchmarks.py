@@ -176,6 +176,25 @@ def test_compare_time_ratio_uses_only_seeds_timed_on_grpos_machine(monkeypatch):
     assert "| 12, 9 (x1.20, seeds 1) |" in module.markdown(rows)
 
 
+def test_compare_end_against_grpo_pools_wins_over_the_seeds_both_ran(monkeypatch):
+    spec = importlib.util.spec_from_file_location("compare", REPO / "benchmarks" / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "compare", module)
+    spec.loader.exec_module(module)
+
+    def run(script, seed, end):
+        return {"script": script, "start": "sft", "seed": seed, "eval_success": [[0, 0.0], [4, end]], "train_success": [[4, 0.5]],
+                "iteration_s": 1.0, "prompt_tokens": [[1, 5]], "response_tokens": [[1, 1]]}
+    # 4 held-out games per seed; grpo.py ends 1/4 and 0/4, proas.py 3/4 and 4/4, plus a seed 3 grpo.py never ran
+    rows = module.table({"setting": {"num_eval_tasks": 4}, "runs": [
+        run("grpo.py", 1, 0.25), run("grpo.py", 2, 0.0), run("proas.py", 1, 0.75), run("proas.py", 2, 1.0), run("proas.py", 3, 0.0)]})
+    grpo, proas = rows
+    # by hand: 7 vs 1 wins of 8; with 8 wins in 16 games, the splits (7,1), (1,7) each have C(8,7)C(8,1)/C(16,8) = 64/12870
+    # and (8,0), (0,8) 1/12870; every other split is likelier, so p = 130/12870
+    assert proas["end_vs_grpo"] == {"seeds": [1, 2], "wins": 7, "grpo_wins": 1, "games": 8, "fisher_p": pytest.approx(130 / 12870)}
+    assert "end_vs_grpo" not in grpo and "| 7 vs 1 of 8 (p 0.01) |" in module.markdown(rows)
+
+
 def test_compare_setting_lists_every_seed_and_method_of_one_setting(monkeypatch):
     spec = importlib.util.spec_from_file_location("compare", REPO / "benchmarks" / "compare.py")
     module = importlib.util.module_from_spec(spec)
