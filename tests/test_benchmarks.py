@@ -122,7 +122,8 @@ def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_mo
     assert "--invalid-penalty 0.0 " in warm["command"] and "--num-eval-tasks 1 " in r["sft"]["command"]
     assert str(runs / "warm-start") in warm["command"] and warm["iteration_s"] > 0 and warm["prompt_tokens"][0][1] > 0
     assert [i for i, _ in warm["policy"]["losses/entropy"]] == [1] and warm["policy"]["losses/entropy"][0][1] > 0
-    assert warm["machine"]["cpus"] == os.cpu_count() and "cpu_bf16" in warm["machine"] and "cpu" in warm["machine"]  # runs may come from different CPUs
+    # runs may come from different CPUs
+    assert warm["machine"]["cpus"] == os.cpu_count() and "cpu_bf16" in warm["machine"] and "cpu" in warm["machine"]
     assert warm["warm_start"]["run_dir"] == r["sft"]["run_dir"] and warm["warm_start"]["nll"] == r["sft"]["nll"]  # and warm starts
     (row,) = r["table"]
     assert row["script"] == "grpo.py" and row["time_ratio_to_grpo"] == 1.0 and row["change_per_seed"] == [
