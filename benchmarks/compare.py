@@ -119,9 +119,10 @@ class Args:
     """held-out games (the same list for every script of a seed)"""
     eval_every: int = 2
     """--eval-every"""
-    extra_flags: str = "--no-gradient-checkpointing --micro-batch-tokens 4096 --num-env-workers 2 --logprob-chunk-tokens 2048"
-    """flags every run gets, one string (CPU: no checkpointing, 4k-token micro-batches, 2k-row logit chunks; bf16 is the
-    scripts' choice by device)"""
+    extra_flags: str = "--no-gradient-checkpointing --micro-batch-tokens 4096 --num-env-workers 2 --logprob-chunk-tokens 2048 --bf16 False"
+    """flags every run gets, one string (CPU: no checkpointing, 4k-token micro-batches, 2k-row logit chunks; fp32 even on a
+    CPU with AMX, where the scripts would pick bf16: the table's runs are fp32, and the warm start rebuilt in bf16 is another
+    model, NLL 0.559 against 0.530. On a GPU, drop `--bf16 False`)"""
     max_minutes: float = 1e9
     """stop after this many minutes (the run in progress is killed and resumes next time)"""
     runs_dir: Path = REPO / "runs" / "compare"
@@ -156,6 +157,15 @@ def sft_flags(args: Args, model: str) -> list[str]:
         "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature), "--eval-temperature", "0.4",
         "--num-eval-tasks", str(args.sft_num_eval_tasks), *shlex.split(args.extra_flags),
     ]
+
+
+def cli_flag(name: str, value) -> str:
+    """One saved Args field as the flag tyro parses: a bool is `--x` or `--no-x`, but an Optional[bool]
+    (`--bf16`, `--vllm`: None lets the device choose) takes its value, `--bf16 False`."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool) and name not in ("bf16", "vllm"):
+        return flag if value else "--no-" + flag[2:]
+    return f"{flag} {shlex.quote(str(value))}"
 
 
 # ---- running, resuming ------------------------------------------------------------------------
@@ -418,8 +428,7 @@ def main(args: Args) -> None:
         if not (ckpt / "model" / "config.json").exists():
             raise SystemExit(f"--sft-run {args.sft_run}: no checkpoint/model there")
         saved = json.loads((ckpt / "args.json").read_text())
-        typed = [f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in saved.items()
-                 if v is not None and k not in ("run_name", "resume")]
+        typed = [cli_flag(k, v) for k, v in saved.items() if v is not None and k not in ("run_name", "resume")]
         info = {"run_dir": str(args.sft_run), "command": "python sft.py " + " ".join(typed)}
     elif args.stage in ("all", "sft", "warm", "diagnostics"):
         # not runs_dir/sft: the warm runs live in runs_dir/sft/<script>-seed<n>, which run_dir_of would take for the

@@ -132,6 +132,8 @@ def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_mo
     sft_run = Path(r["sft"]["run_dir"])
     again = bench("compare.py", *flags, "--sft-run", str(sft_run), timeout=300)
     assert " ... -> " not in again.stdout and len(load(out)["runs"]) == 1
+    typed = load(out)["sft"]["command"].split()  # rebuilt from args.json, it must parse: tyro booleans are --x/--no-x
+    assert "True" not in typed and "False" not in typed and "--no-vllm-sleep" in typed and "--torch-deterministic" in typed
     # one more iteration resumes that run in its own folder, and its entry reads that folder's metrics
     bench("compare.py", *[("2" if f == "1" and flags[k - 1] == "--iterations" else f) for k, f in enumerate(flags)], timeout=600)
     (warm,) = load(out)["runs"]
