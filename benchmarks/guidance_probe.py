@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import tyro
@@ -52,6 +53,8 @@ class Args:
     """--num-env-workers"""
     transcripts: int = 3
     """guided episodes (largest k) whose actions are kept in the JSON"""
+    bf16: Optional[bool] = None
+    """bf16 autocast (default: actguide.py's choice by CPU; False matches compare.py's fp32 runs)"""
     out: Path = RESULTS / "guidance_probe.json"
     """JSON result"""
 
@@ -80,7 +83,7 @@ def main(args: Args) -> None:
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     tokenizer, model = actguide.load_policy(model_path, torch.device("cpu"))
-    use_bf16 = actguide.bf16_is_fast(torch.device("cpu"))
+    use_bf16 = actguide.bf16_is_fast(torch.device("cpu")) if args.bf16 is None else args.bf16
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16)  # noqa: E731
 
     def generate(prompts, temperature, max_new_tokens=None):
@@ -121,7 +124,7 @@ def main(args: Args) -> None:
     finally:
         runner.close()
     write_json(args.out, {"benchmark": "guidance_probe", "setting": {k: str(v) for k, v in asdict(args).items()},
-                          "model_path": model_path, "machine": machine(), "tasks": tasks, "plans": plans, "rows": rows,
+                          "model_path": model_path, "machine": machine(), "bf16": use_bf16, "tasks": tasks, "plans": plans, "rows": rows,
                           "transcripts": transcripts})
 
 

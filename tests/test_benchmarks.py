@@ -265,8 +265,9 @@ def test_guidance_probe_shows_the_whole_plan_at_k_equals_K_and_counts_hinted_act
     # through the script: one game, unguided then with its whole walkthrough shown
     out = tmp_path / "probe.json"
     bench("guidance_probe.py", "--model", tiny_model, "--env", "cooking", "--num-tasks", "1", "--episodes", "2",
-          "--hint-fractions", "0", "1", "--max-steps", "2", "--max-new-tokens", "4", "--out", str(out))
+          "--hint-fractions", "0", "1", "--max-steps", "2", "--max-new-tokens", "4", "--bf16", "False", "--out", str(out))
     r = json.loads(out.read_text())
+    assert r["bf16"] is False  # fp32 as asked, even on a CPU where actguide.py would pick bf16
     plan = r["plans"][0]
     assert len(plan) >= 2 and [row["k_mean"] for row in r["rows"]] == [0.0, float(len(plan))]
     assert [row["episodes"] for row in r["rows"]] == [2, 2] and r["rows"][0]["hint_step_match_rate"] is None
