@@ -112,7 +112,7 @@ def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_mo
     flags = ["--stage", "warm", "--model", tiny_model, "--env", "cooking", "--seeds", "1", "--methods", "grpo.py",
              "--sft-num-tasks", "1", "--sft-epochs", "1", "--sft-num-eval-tasks", "1", "--iterations", "1", "--num-tasks", "1", "--group-size", "2",
              "--max-steps", "2", "--max-new-tokens", "8", "--num-eval-tasks", "1", "--eval-every", "1",
-             "--extra-flags=--no-gradient-checkpointing --num-env-workers 1", "--out", str(out), "--runs-dir", str(runs)]
+             "--extra-flags=--no-gradient-checkpointing --num-env-workers 1 --bf16 False", "--out", str(out), "--runs-dir", str(runs)]
     bench("compare.py", *flags, timeout=900)
     r = load(out)
     assert r["sft"]["eval_success"][0][0] == 0 and "sft.py" in r["sft"]["command"]
@@ -132,8 +132,9 @@ def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_mo
     sft_run = Path(r["sft"]["run_dir"])
     again = bench("compare.py", *flags, "--sft-run", str(sft_run), timeout=300)
     assert " ... -> " not in again.stdout and len(load(out)["runs"]) == 1
-    typed = load(out)["sft"]["command"].split()  # rebuilt from args.json, it must parse: tyro booleans are --x/--no-x
-    assert "True" not in typed and "False" not in typed and "--no-vllm-sleep" in typed and "--torch-deterministic" in typed
+    typed = load(out)["sft"]["command"].split()  # rebuilt from args.json, it must parse: tyro booleans are --x/--no-x,
+    assert "--no-vllm-sleep" in typed and "--torch-deterministic" in typed and "--no-track" in typed
+    assert typed[typed.index("--bf16") + 1] == "False" and typed.count("False") == 1 and "True" not in typed  # Optional[bool]: --bf16 False
     # one more iteration resumes that run in its own folder, and its entry reads that folder's metrics
     bench("compare.py", *[("2" if f == "1" and flags[k - 1] == "--iterations" else f) for k, f in enumerate(flags)], timeout=600)
     (warm,) = load(out)["runs"]
@@ -264,10 +265,13 @@ def test_guidance_probe_shows_the_whole_plan_at_k_equals_K_and_counts_hinted_act
     assert module.followed_hint(Played()) == (1, 2)
     # through the script: one game, unguided then with its whole walkthrough shown
     out = tmp_path / "probe.json"
+    import actguide  # on sys.path once guidance_probe is loaded
+    import torch
+    default_bf16 = actguide.bf16_is_fast(torch.device("cpu"))
     bench("guidance_probe.py", "--model", tiny_model, "--env", "cooking", "--num-tasks", "1", "--episodes", "2",
-          "--hint-fractions", "0", "1", "--max-steps", "2", "--max-new-tokens", "4", "--bf16", "False", "--out", str(out))
+          "--hint-fractions", "0", "1", "--max-steps", "2", "--max-new-tokens", "4", "--bf16", str(not default_bf16), "--out", str(out))
     r = json.loads(out.read_text())
-    assert r["bf16"] is False  # fp32 as asked, even on a CPU where actguide.py would pick bf16
+    assert r["bf16"] is (not default_bf16)  # the precision asked for, not the one actguide.py would pick on this CPU
     plan = r["plans"][0]
     assert len(plan) >= 2 and [row["k_mean"] for row in r["rows"]] == [0.0, float(len(plan))]
     assert [row["episodes"] for row in r["rows"]] == [2, 2] and r["rows"][0]["hint_step_match_rate"] is None
