@@ -79,6 +79,8 @@ class Args:
     """scripts of the warm comparison"""
     cold_methods: tuple[str, ...] = ("grpo.py", "actguide.py")
     """scripts of the cold-start comparison"""
+    variants: tuple[str, ...] = tuple(name for _, _, name in DIAGNOSTIC_RUNS)
+    """diagnostic runs to make, in this order (names from DIAGNOSTIC_RUNS)"""
     # the warm start
     sft_num_tasks: int = 16
     """training games cloned by sft.py"""
@@ -398,7 +400,7 @@ def merged_setting(old: dict, new: dict) -> dict:
     """The setting of one JSON filled over several calls: where everything else matches, the seeds and
     methods are those of every call, not only the latest one's. A rebuilt warm start (`sft_run`) still
     counts as the same setting: each run's entry names its own."""
-    lists = ("seeds", "methods", "cold_methods")
+    lists = ("seeds", "methods", "cold_methods", "variants")
     if not old or any(old.get(k) != v for k, v in new.items() if k not in (*lists, "sft_run")):
         return new
     return {**new, **{k: sorted(set(old.get(k, [])) | set(new[k])) if k == "seeds" else list(dict.fromkeys([*old.get(k, []), *new[k]]))
@@ -406,6 +408,10 @@ def merged_setting(old: dict, new: dict) -> dict:
 
 
 def main(args: Args) -> None:
+    by_name = {variant: (script, flags) for script, flags, variant in DIAGNOSTIC_RUNS}
+    unknown = [v for v in args.variants if v not in by_name]
+    if unknown:
+        raise SystemExit(f"--variants {' '.join(unknown)}: not a diagnostic run (those are: {', '.join(by_name)})")
     deadline = time.time() + args.max_minutes * 60
     result = load(args.out)
     setting = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(args).items() if k not in ("stage", "max_minutes", "out", "runs_dir")}
@@ -452,7 +458,7 @@ def main(args: Args) -> None:
     if args.stage in ("all", "cold"):
         plan += [("cold", s, seed, [], "") for seed in args.seeds for s in args.cold_methods]
     if args.stage in ("all", "diagnostics"):
-        plan += [("sft", script, args.seeds[0], flags, variant) for script, flags, variant in DIAGNOSTIC_RUNS]
+        plan += [("sft", by_name[v][0], args.seeds[0], by_name[v][1], v) for v in args.variants]
     for start, script, seed, variant_flags, variant in plan:
         model = warm_model if start == "sft" else base_model
         flags = ["--model", model, *common_flags(args, seed), *method_flags(args, script), *variant_flags]

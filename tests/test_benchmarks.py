@@ -199,7 +199,7 @@ def test_compare_end_against_grpo_pools_wins_over_the_seeds_both_ran(monkeypatch
     assert "end_vs_grpo" not in grpo and "| 7 vs 1 of 8 (p 0.01) |" in module.markdown(rows)
 
 
-def test_compare_setting_lists_every_seed_and_method_of_one_setting(monkeypatch):
+def test_compare_setting_lists_every_seed_and_method_of_one_setting(monkeypatch, tmp_path):
     spec = importlib.util.spec_from_file_location("compare", REPO / "benchmarks" / "compare.py")
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "compare", module)
@@ -211,6 +211,11 @@ def test_compare_setting_lists_every_seed_and_method_of_one_setting(monkeypatch)
     # another learning rate is another setting: the latest call's lists stand alone
     assert module.merged_setting({**first, "learning_rate": 1e-4}, later) == later
     assert module.merged_setting({}, later) == later
+    # a list field added after the first call (variants) is merged too, rather than starting a new setting
+    assert module.merged_setting(first, {**later, "variants": ["no-judgment"]})["seeds"] == [1, 2]
+    with pytest.raises(SystemExit, match="no-such: not a diagnostic run"):
+        # max_minutes=0: were the check gone, main would stop at the deadline instead of training
+        module.main(module.Args(stage="diagnostics", variants=("no-such",), max_minutes=0, runs_dir=tmp_path, out=tmp_path / "c.json"))
 
 
 def test_prompt_sharing_counts_duplicates_and_shared_prefixes(tiny_model, tmp_path, monkeypatch):
