@@ -58,10 +58,11 @@ METHOD_FLAGS = {
     "pats.py": ["--reviewer", "rules"],
 }
 
-# One seed each, beside the warm runs of the same script: (script, flags, variant name)
+# One seed each, beside the warm run of the same script and seed: (script, flags, variant name, seed)
 DIAGNOSTIC_RUNS = [
-    ("pats.py", ["--no-adapt"], "no-adapt"),  # PATS's token comparator: the whole bank, never cut
-    ("strata.py", ["--no-judgment"], "no-judgment"),  # seed 1: winless groups' only contrast was the judge's penalty
+    # PATS's token comparator, the whole bank never cut; seed 2, where the bank outgrew the 6-item cut (seed 1's never did)
+    ("pats.py", ["--no-adapt"], "no-adapt", 2),
+    ("strata.py", ["--no-judgment"], "no-judgment", 1),  # seed 1: winless groups' only contrast was the judge's penalty
 ]
 
 
@@ -79,7 +80,7 @@ class Args:
     """scripts of the warm comparison"""
     cold_methods: tuple[str, ...] = ("grpo.py", "actguide.py")
     """scripts of the cold-start comparison"""
-    variants: tuple[str, ...] = tuple(name for _, _, name in DIAGNOSTIC_RUNS)
+    variants: tuple[str, ...] = tuple(name for _, _, name, _ in DIAGNOSTIC_RUNS)
     """diagnostic runs to make, in this order (names from DIAGNOSTIC_RUNS)"""
     # the warm start
     sft_num_tasks: int = 16
@@ -408,7 +409,7 @@ def merged_setting(old: dict, new: dict) -> dict:
 
 
 def main(args: Args) -> None:
-    by_name = {variant: (script, flags) for script, flags, variant in DIAGNOSTIC_RUNS}
+    by_name = {variant: (script, flags, seed) for script, flags, variant, seed in DIAGNOSTIC_RUNS}
     unknown = [v for v in args.variants if v not in by_name]
     if unknown:
         raise SystemExit(f"--variants {' '.join(unknown)}: not a diagnostic run (those are: {', '.join(by_name)})")
@@ -458,7 +459,7 @@ def main(args: Args) -> None:
     if args.stage in ("all", "cold"):
         plan += [("cold", s, seed, [], "") for seed in args.seeds for s in args.cold_methods]
     if args.stage in ("all", "diagnostics"):
-        plan += [("sft", by_name[v][0], args.seeds[0], by_name[v][1], v) for v in args.variants]
+        plan += [("sft", by_name[v][0], by_name[v][2], by_name[v][1], v) for v in args.variants]
     for start, script, seed, variant_flags, variant in plan:
         model = warm_model if start == "sft" else base_model
         flags = ["--model", model, *common_flags(args, seed), *method_flags(args, script), *variant_flags]
