@@ -408,11 +408,26 @@ def merged_setting(old: dict, new: dict) -> dict:
                       for k in lists if k in new}}
 
 
-def main(args: Args) -> None:
+def plan_runs(args: Args) -> list[tuple[str, str, int, list[str], str, Path]]:
+    """The RL runs a stage makes, in order: (start, script, seed, variant flags, variant name, output folder).
+    Seed-major, so that partial results cover every method; a diagnostic run takes its own seed."""
     by_name = {variant: (script, flags, seed) for script, flags, variant, seed in DIAGNOSTIC_RUNS}
     unknown = [v for v in args.variants if v not in by_name]
     if unknown:
         raise SystemExit(f"--variants {' '.join(unknown)}: not a diagnostic run (those are: {', '.join(by_name)})")
+    plan = []
+    if args.stage in ("all", "warm"):
+        plan += [("sft", s, seed, [], "") for seed in args.seeds for s in args.methods]
+    if args.stage in ("all", "cold"):
+        plan += [("cold", s, seed, [], "") for seed in args.seeds for s in args.cold_methods]
+    if args.stage in ("all", "diagnostics"):
+        plan += [("sft", by_name[v][0], by_name[v][2], by_name[v][1], v) for v in args.variants]
+    return [(start, script, seed, flags, variant, args.runs_dir / start / f"{script[:-3]}{'-' + variant if variant else ''}-seed{seed}")
+            for start, script, seed, flags, variant in plan]
+
+
+def main(args: Args) -> None:
+    plan = plan_runs(args)  # before anything runs: an unknown --variants name stops here
     deadline = time.time() + args.max_minutes * 60
     result = load(args.out)
     setting = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(args).items() if k not in ("stage", "max_minutes", "out", "runs_dir")}
@@ -453,17 +468,9 @@ def main(args: Args) -> None:
         save(args.out, result)
         warm_model = str(Path(info["run_dir"]) / "checkpoint" / "model")
 
-    plan = []  # (start, script, seed, variant flags, variant name), seed-major so partial results cover all methods
-    if args.stage in ("all", "warm"):
-        plan += [("sft", s, seed, [], "") for seed in args.seeds for s in args.methods]
-    if args.stage in ("all", "cold"):
-        plan += [("cold", s, seed, [], "") for seed in args.seeds for s in args.cold_methods]
-    if args.stage in ("all", "diagnostics"):
-        plan += [("sft", by_name[v][0], by_name[v][2], by_name[v][1], v) for v in args.variants]
-    for start, script, seed, variant_flags, variant in plan:
+    for start, script, seed, variant_flags, variant, out in plan:
         model = warm_model if start == "sft" else base_model
         flags = ["--model", model, *common_flags(args, seed), *method_flags(args, script), *variant_flags]
-        out = args.runs_dir / start / f"{script[:-3]}{'-' + variant if variant else ''}-seed{seed}"
         info = drive(script, flags, out, args.iterations, deadline, "--total-iterations")
         if info is None:
             print("stopped at the time limit (the run in progress resumes next time)")

@@ -213,6 +213,10 @@ def test_compare_setting_lists_every_seed_and_method_of_one_setting(monkeypatch,
     assert module.merged_setting({}, later) == later
     # a list field added after the first call (variants) is merged too, rather than starting a new setting
     assert module.merged_setting(first, {**later, "variants": ["no-judgment"]})["seeds"] == [1, 2]
+    # each diagnostic run on its own seed (pats.py's bank outgrew the cut only on seed 2), in the order asked
+    plan = module.plan_runs(module.Args(stage="diagnostics", variants=("no-judgment", "no-adapt"), runs_dir=tmp_path))
+    assert [(p[1], p[2], p[3], p[5].name) for p in plan] == [("strata.py", 1, ["--no-judgment"], "strata-no-judgment-seed1"),
+                                                              ("pats.py", 2, ["--no-adapt"], "pats-no-adapt-seed2")]
     with pytest.raises(SystemExit, match="no-such: not a diagnostic run"):
         # max_minutes=0: were the check gone, main would stop at the deadline instead of training
         module.main(module.Args(stage="diagnostics", variants=("no-such",), max_minutes=0, runs_dir=tmp_path, out=tmp_path / "c.json"))
