@@ -259,9 +259,16 @@ def save(path: Path, result: dict) -> None:
     path.write_text(json.dumps(result, indent=1, default=float) + "\n")
 
 
+def run_key(run: dict) -> tuple:
+    return run["script"], run["start"], run["seed"], run.get("variant", "")
+
+
 def record(result: dict, entry: dict, path: Path) -> None:
-    key = (entry["script"], entry["start"], entry["seed"], entry.get("variant", ""))
-    result["runs"] = [r for r in result["runs"] if (r["script"], r["start"], r["seed"], r.get("variant", "")) != key] + [entry]
+    """Write `entry` into `path`, replacing an earlier result of the same run. Runs that another compare.py
+    call wrote to `path` since this one loaded it are kept: two stages may run at once (one core each)."""
+    mine = {run_key(r) for r in result["runs"]}
+    theirs = [r for r in load(path)["runs"] if run_key(r) not in mine]
+    result["runs"] = [r for r in result["runs"] + theirs if run_key(r) != run_key(entry)] + [entry]
     save(path, result)
     print(f"recorded {entry['start']} {entry['script']} seed {entry['seed']} {entry.get('variant', '')}: "
           f"eval {entry['eval_success']}", flush=True)
@@ -373,7 +380,7 @@ def plot(result: dict, path: Path) -> None:
             curves = [dict(map(tuple, r["eval_success"])) for r in runs if r["script"] == script]
             xs = sorted(set.intersection(*(set(c) for c in curves)))
             ys = np.array([[c[x] for x in xs] for c in curves])
-            line = ax.plot(xs, ys.mean(0), marker="o", label=f"{script} ({len(curves)} seeds)")[0]
+            line = ax.plot(xs, ys.mean(0), marker="o", label=f"{script} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")[0]
             ax.fill_between(xs, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.15)
         ax.set_title(f"{'warm start (sft.py)' if start == 'sft' else 'cold start (no SFT)'}: held-out success")
         ax.set_xlabel("iteration")

@@ -160,6 +160,23 @@ def test_compare_tests_start_against_end_with_fisher_exact_on_the_same_games(mon
     assert rows[0]["fisher_p_per_seed"] == pytest.approx([0.1, 1.0]) and "+1.000 (p 0.1)" in module.markdown(rows)
 
 
+def test_compare_record_keeps_runs_another_call_wrote_meanwhile(monkeypatch, tmp_path):
+    spec = importlib.util.spec_from_file_location("compare", REPO / "benchmarks" / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "compare", module)
+    spec.loader.exec_module(module)
+    out = tmp_path / "compare.json"
+    run = lambda script, start, seed, e: {"script": script, "start": start, "seed": seed, "eval_success": [[0, e]]}  # noqa: E731
+    out.write_text(json.dumps({"runs": [run("grpo.py", "sft", 1, 0.1)]}))
+    mine, theirs = module.load(out), module.load(out)  # two compare.py calls (warm and cold stage) load the same file
+    module.record(theirs, run("grpo.py", "cold", 1, 0.0), out)
+    module.record(mine, run("grpo.py", "sft", 1, 0.3), out)  # replaces its own earlier grpo.py result, keeps the cold run
+    module.record(mine, run("pats.py", "sft", 2, 0.2), out)
+    written = json.loads(out.read_text())["runs"]
+    runs = {(r["script"], r["start"], r["seed"]): r["eval_success"] for r in written}
+    assert len(written) == 3 and runs == {("grpo.py", "sft", 1): [[0, 0.3]], ("grpo.py", "cold", 1): [[0, 0.0]], ("pats.py", "sft", 2): [[0, 0.2]]}
+
+
 def test_compare_time_ratio_uses_only_seeds_timed_on_grpos_machine(monkeypatch):
     spec = importlib.util.spec_from_file_location("compare", REPO / "benchmarks" / "compare.py")
     module = importlib.util.module_from_spec(spec)
