@@ -170,6 +170,8 @@ def test_sft_probes_its_env_and_stops_when_most_replayed_plans_crash(tiny_model,
     from envs import search
 
     qa = SHARED_DATA / "search_qa"
+    if not (qa / "questions").exists():
+        pytest.skip(f"shared search data not found at {qa}")
     solved = search.reference_trajectories(str(qa))
     rows = (qa / "questions" / "flashrag_format" / "bamboogle_test_subsample.jsonl").read_text().splitlines()
     with_plan = [row for row in rows if json.loads(row)["question"].strip() in solved]
