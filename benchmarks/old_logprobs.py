@@ -1,11 +1,11 @@
 """pi_old from the sampling pass against a second forward pass, side by side on one real batch.
 
-Plays one grpo.py rollout with its own `rollout` and `generate_hf` (which keeps the log-prob of every
+Plays one grpo.py rollout with its own `rollout` and HF Sampler (which keeps the log-prob of every
 sampled token), then, in this one process and on the same samples:
 1. exactness: the kept log-probs against `recompute_logprobs` over every sample (the no-grad pass
    the update used to make for each sample trained after its first optimizer step);
-2. speed: `update_policy` twice from the same weights, once made to recompute pi_old (`sampled`
-   empty, the previous commit's behaviour) and once with the kept log-probs, with the time of the
+2. speed: `update_policy` twice from the same weights, once made to recompute pi_old (no
+   `sampler`, the behaviour before pi_old came from sampling) and once with the kept log-probs, with the time of the
    old-log-prob pass, of the whole update, and how far the two updated models end up apart.
 
     python benchmarks/old_logprobs.py --model runs/<an sft.py run>/checkpoint/model
@@ -77,10 +77,8 @@ def main(args: Args) -> None:
     tokenizer, model = grpo.load_policy(model_path, torch.device("cpu"))
     use_bf16 = grpo.bf16_is_fast(torch.device("cpu")) if args.bf16 is None else args.bf16
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16)  # noqa: E731
-    kept = {}
-
-    def generate(prompts, temperature, max_new_tokens=None):
-        return grpo.generate_hf(model, tokenizer, prompts, run.max_new_tokens, temperature, run.top_p, autocast, kept)
+    generate = grpo.Sampler(None, model, tokenizer, run, autocast, exact=True)  # HF on the trained module: pi_old from sampling
+    kept = generate.logprobs
 
     train = spec.task_ids("train")
     tasks = [train[i] for i in np.random.default_rng(args.seed).choice(len(train), args.num_tasks, replace=False)]
@@ -103,12 +101,12 @@ def main(args: Args) -> None:
 
     # 2. speed: the same update, made to recompute pi_old, then with the kept log-probs
     updates, models = {}, {}
-    for name, sampled in (("recomputed", None), ("from_sampling", kept)):
+    for name, sampler in (("recomputed", None), ("from_sampling", generate)):
         policy = copy.deepcopy(model)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=run.learning_rate, weight_decay=run.weight_decay)
         t0 = time.perf_counter()
         metrics = grpo.update_policy(policy, None, optimizer, prompts, responses, advantages, run, tokenizer.pad_token_id, autocast,
-                                     torch.Generator().manual_seed(args.seed), sampled=sampled)
+                                     torch.Generator().manual_seed(args.seed), sampler=sampler)
         updates[name] = {"total_s": time.perf_counter() - t0, **{k: metrics[k] for k in (
             "perf/logprob_s", "perf/update_s", "perf/old_logprobs_sampled", "perf/old_logprobs_recomputed", "losses/policy_loss",
             "losses/approx_kl_old", "losses/clipfrac", "losses/grad_norm", "perf/optimizer_steps")}}

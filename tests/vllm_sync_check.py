@@ -1,0 +1,46 @@
+"""Run by tests/test_vllm.py in a child process (a vLLM engine changes the process it lives in): grpo.py's own
+engine (make_vllm) and Sampler sample from a tiny model; each sampled token's log-prob that the engine kept is
+compared with grpo.py's recomputation by the training model (recompute_logprobs, the update's pi_old pass), while
+in sync, after the training weights moved, and after Sampler.sync. Writes the gaps as json."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import grpo  # noqa: E402
+
+TEXTS = [f"You are an agent in a TextWorld cooking game. Room {k}: a fridge, a counter, a stove. What do you do?" for k in range(6)]
+
+
+def gaps(sampler, model, tokenizer, args: grpo.Args, autocast, prompts: list[list[int]]) -> dict:
+    """|log p_engine - log p_train| over the response tokens of one batched sampling call."""
+    responses = sampler(prompts, args.temperature)
+    kept = [sampler.logprobs[(args.temperature, tuple(p), tuple(r))] for p, r in zip(prompts, responses)]
+    train = grpo.recompute_logprobs(model, prompts, responses, args, tokenizer.pad_token_id, autocast)
+    diff = torch.cat([(k - t).abs() for k, t in zip(kept, train)])
+    return {"mean": diff.mean().item(), "max": diff.max().item(), "tokens": len(diff)}
+
+
+if __name__ == "__main__":
+    model_path, out = sys.argv[1], Path(sys.argv[2])
+    device = torch.device("cpu")
+    args = grpo.Args(model=model_path, vllm=True, max_prompt_tokens=256, max_new_tokens=24, temperature=1.0)
+    tokenizer, model = grpo.load_policy(model_path, device)
+    use_bf16 = grpo.bf16_is_fast(device)
+    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16)  # noqa: E731
+    llm = grpo.make_vllm(args, model, tokenizer, device, use_bf16, 1)
+    sampler = grpo.Sampler(llm, model, tokenizer, args, autocast, exact=False)
+    sampler.sync(model)
+    prompts = [grpo.encode_prompt(tokenizer, text) for text in TEXTS]
+    result = {"dtype": str(llm.llm_engine.model_config.dtype), "in_sync": gaps(sampler, model, tokenizer, args, autocast, prompts)}
+    torch.manual_seed(0)
+    with torch.no_grad():  # a large update: every weight moves by noise of 3x its own spread
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 3 * param.std())
+    result["stale"] = gaps(sampler, model, tokenizer, args, autocast, prompts)
+    sampler.sync(model)
+    result["synced"] = gaps(sampler, model, tokenizer, args, autocast, prompts)
+    out.write_text(json.dumps(result, indent=2))
