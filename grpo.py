@@ -1156,7 +1156,7 @@ if __name__ == "__main__":
         fail(str(e))
     if not train_tasks or not all(eval_pools.values()):
         fail(f"env {args.env} has no tasks in split {spec.preset.train_split!r} or {args.eval_split!r}")
-    model_path = resolve_model(args.model)
+    resolve_model(args.model)  # a model that cannot be found stops the run here, before any process group or engine
     rank, world_size, device = init_distributed(args)
     is_main = rank == 0
     if args.num_tasks < world_size:

