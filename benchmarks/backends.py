@@ -5,7 +5,7 @@ cooking-easy games; 4 tasks x 8 episodes, 8 steps, 48 new tokens, lr 1e-5, no KL
 at iterations 0, 2, 4), one seed, made once with `--vllm False` and once with `--vllm True`. Nothing else differs.
 For each: generation tokens/s of the training rollouts, seconds per evaluation, seconds per iteration (rollout and
 update, evaluation apart), the trainer's peak RSS, the engine's log-prob gap to the trained weights, and held-out
-success. vLLM's KV cache on CPU is $VLLM_CPU_KVCACHE_SPACE GiB (the scripts' default 4, of this machine's 24).
+success. vLLM's KV cache on CPU is $VLLM_CPU_KVCACHE_SPACE GiB (the scripts' default 2, of this machine's 24).
 
     python benchmarks/backends.py                                  # builds the warm start first (compare.py's sft.py run)
     python benchmarks/backends.py --sft-run runs/compare/warm-start/<run>
