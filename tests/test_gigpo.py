@@ -229,14 +229,20 @@ def gigpo_by_hand(episodes, gamma, w, step_norm, episode_norm):
     return [episode_level[k] + w * step_level[k] for k in keys], [step_level[k] for k in keys]
 
 
-@pytest.mark.parametrize("step_norm, episode_norm, w", [("mean_std", "mean_std", 1.0), ("mean", "mean", 0.5),
-                                                        ("mean_std", "mean", 1.0)])
-def test_training_batch_gives_each_step_its_episode_and_anchor_advantage(two_tasks, step_norm, episode_norm, w):
-    args = gigpo.Args(success_reward=10.0, invalid_penalty=0.1, gamma=0.95, step_advantage_w=w, step_norm=step_norm,
+@pytest.mark.parametrize("step_norm, episode_norm, w, gamma", [
+    ("mean_std", "mean_std", 1.0, 0.95), ("mean", "mean", 0.5, 0.95), ("mean_std", "mean", 1.0, 0.95),
+    ("mean", "mean_std", 1.0, 0.5),  # --gamma 0.5
+])
+def test_training_batch_gives_each_step_its_episode_and_anchor_advantage(two_tasks, step_norm, episode_norm, w, gamma):
+    args = gigpo.Args(success_reward=10.0, invalid_penalty=0.1, gamma=gamma, step_advantage_w=w, step_norm=step_norm,
                       episode_norm=episode_norm)
     prompts, responses, advantages, metrics = gigpo.training_batch(two_tasks, args)
-    expected, step_level = gigpo_by_hand(two_tasks, 0.95, w, step_norm, episode_norm)
+    expected, step_level = gigpo_by_hand(two_tasks, gamma, w, step_norm, episode_norm)
     assert advantages.tolist() == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    if step_norm == "mean":
+        # W's and WI's first steps: the same score 10 (A^E alike), one anchor group, returns 10 gamma^4 and 10 gamma^5
+        # (WI wins a step later): with --gamma 0.5, 0.625 - 0.3125; with 0.95, 8.1450625 - 7.737809375
+        assert advantages[0] - advantages[5] == pytest.approx(w * {0.5: 0.3125, 0.95: 0.407253125}[gamma], rel=1e-9)
     turns = [t for e in two_tasks for t in e.turns]
     assert prompts == [t.prompt_ids for t in turns] and responses == [t.response_ids for t in turns]
     # anchor groups, task 0: start (W, WI, L), "carrying nothing" (W, WI, L), cookbook (W, WI), "not a verb"
@@ -244,6 +250,33 @@ def test_training_batch_gives_each_step_its_episode_and_anchor_advantage(two_tas
     # the walkthrough's last 3 observations alone: 11 groups, 3 of the 21 samples in singletons
     assert metrics["gigpo/anchor_groups"] == 11 and metrics["gigpo/singleton_step_frac"] == pytest.approx(3 / 21)
     assert metrics["gigpo/step_adv_nonzero_frac"] == pytest.approx(np.mean(np.abs(step_level) > 1e-8))
+
+
+def test_training_batch_similarity_thresh_joins_the_meal_line_to_the_take_line(two_tasks):
+    """--similarity-thresh 0.6: in each task group the line after `prepare meal` ("Adding the meal to your
+    inventory. ...") joins the anchor group of the line after the take ("You take the ... bell pepper from the
+    fridge. ..."), difflib ratio 2 * 56 / (77 + 91) = 2/3; no other two lines of the batch reach 0.6 (11 anchor
+    groups -> 9). A^E + w A^S by hand as if the two lines read the same."""
+    from dataclasses import replace
+    from difflib import SequenceMatcher
+
+    meal = two_tasks[0].turns[4].observation
+    take = {e.group: e.turns[3].observation for e in (two_tasks[0], two_tasks[3])}  # the walkthroughs' 4th steps
+    assert meal.startswith("Adding the meal") and all(t.startswith("You take the") for t in take.values())
+    assert [SequenceMatcher(None, meal, t).ratio() for t in take.values()] == pytest.approx([2 / 3, 2 / 3])
+    alike = [replace(e, turns=[replace(t, observation=take[e.group] if t.observation == meal else t.observation)
+                               for t in e.turns]) for e in two_tasks]
+    args = gigpo.Args(success_reward=10.0, invalid_penalty=0.1, similarity_thresh=0.6, step_norm="mean_std",
+                      episode_norm="mean_std")
+    advantages, metrics = gigpo.training_batch(two_tasks, args)[2:]
+    assert advantages.tolist() == pytest.approx(gigpo_by_hand(alike, 0.95, 1.0, "mean_std", "mean_std")[0],
+                                                rel=1e-9, abs=1e-12)
+    assert metrics["gigpo/anchor_groups"] == 9
+    # W's and WI's take and meal steps (same score 10, so the same A^E): alone, each line's group holds equal
+    # returns (9.5, 9.5 and 10, 10) and A^S = 0; joined, task 0's group is [9.5, 10, 9.5, 10]: mean 9.75, std
+    # sqrt(4 * 0.25^2 / 3) = 0.288675, A^S -+sqrt(3)/2; task 1's [9.5, 10]: -+1/sqrt(2)
+    assert advantages[4] - advantages[3] == advantages[10] - advantages[9] == pytest.approx(math.sqrt(3), rel=1e-5)
+    assert advantages[18] - advantages[17] == pytest.approx(math.sqrt(2), rel=1e-5)
 
 
 def test_two_iterations_on_cooking_log_anchor_groups(tiny_model, tmp_path):

@@ -3,6 +3,7 @@
 import math
 import os
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -381,6 +382,181 @@ def test_base_gigpo_shapes_gigpos_advantages_by_the_episode_sign(cooking_spec, c
     grpo_based = proas.training_batch(cooking_spec, cooking_runner, batch, {}, proas.Args(success_reward=10.0,
                                       invalid_penalty=0.1, shaping=shaping), 1)[2]
     assert not np.allclose(advantages, grpo_based)  # the anchor groups' A^S moved something
+
+
+# ---- the method's flags, each through training_batch as the main loop calls it (issue 42) ----------------------
+def grpo_by_hand(batch: list[Episode]) -> list[float]:
+    """grpo.py's A_{i,t} with success 10 and penalty 0.1: (s - mean_g) / (unbiased std_g + 1e-6) per task group."""
+    scores = [[10.0 * e.won - 0.1 * (not t.valid) for t in e.turns] for e in batch]
+    by_group = {}
+    for e, s in zip(batch, scores):
+        by_group.setdefault(e.group, []).extend(s)
+    return [(v - statistics.mean(by_group[e.group])) / (statistics.stdev(by_group[e.group]) + 1e-6)
+            for e, s in zip(batch, scores) for v in s]
+
+
+# lost episodes of `batch`: SWAP[:6] PA [0, 0, 0, 0, 0, 1] -> D = [5, 4, 3, 2, 1, 0]; inventory + look PA [0, 0]
+# -> D = [2, 1]; train-easy-0's lost PA [0, 0, 1] -> D = [2, 1, 0]. Per step: the APR weight
+# D_t / (mean_{t in T} D + eps), or 1 (the plain A) on a step outside T.
+APR_CASES = {
+    # T = all steps: mean D 15/6 = 2.5, 1.5 and 1: the advancing last steps (D = 0) get weight 0 too
+    ("all", 1e-6): ([2, 1.6, 1.2, 0.8, 0.4, 0], [4 / 3, 2 / 3], [2, 1, 0]),
+    # T = non-advancing steps: mean D 3, 1.5, 1.5, each + eps 1: denominators 4, 2.5, 2.5; advancing steps keep A
+    ("nonadvancing", 1.0): ([5 / 4, 1, 3 / 4, 1 / 2, 1 / 4, 1], [0.8, 0.4], [0.8, 0.4, 1]),
+    # T = all, eps 1: denominators 3.5, 2.5, 2
+    ("all", 1.0): ([10 / 7, 8 / 7, 6 / 7, 4 / 7, 2 / 7, 0], [0.8, 0.4], [1, 0.5, 0]),
+}
+
+
+@pytest.mark.parametrize("apr_set, apr_eps", list(APR_CASES))
+def test_training_batch_apr_set_and_eps_give_the_lost_steps_their_weights(cooking_spec, cooking_runner, batch, apr_set,
+                                                                         apr_eps):
+    """--apr-set / --apr-eps (Eq. 7's T and eps): the APR weights of the lost trajectories' steps, by hand;
+    the won trajectories keep MUI's Re_t * A."""
+    args = proas.Args(success_reward=10.0, invalid_penalty=0.1, apr_set=apr_set, apr_eps=apr_eps)
+    advantages, metrics = proas.training_batch(cooking_spec, cooking_runner, batch, {}, args, 1)[2:]
+    lost = iter(APR_CASES[(apr_set, apr_eps)])
+    weights = [lab if e.won else next(lost) for e, lab in zip(batch, BATCH_LABELS)]  # won: Re (MUI)
+    expected = [a * w for a, w in zip(grpo_by_hand(batch), sum(weights, []))]
+    assert advantages.tolist() == pytest.approx(expected, rel=1e-5, abs=1e-12)
+    # APR's steps: 6 + 2 + 3 lost steps with --apr-set all, their 5 + 2 + 2 non-advancing ones otherwise
+    assert metrics["proas/apr_frac"] == pytest.approx((11 if apr_set == "all" else 9) / 34)
+    assert metrics["proas/apr_weight_max"] == pytest.approx(max(sum(APR_CASES[(apr_set, apr_eps)], [])), rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def knife(cooking_spec):
+    """train-cut-0, group 0. detour (won): the walkthrough's steps with the knife dropped on the ground and picked
+    up again by `take knife`; short (won): the knife taken off the table by `take knife` (the game takes it from
+    the table); idle (lost): inventory, look; walkthrough (won): the reference actions without the two self-loops."""
+    valid = lambda actions: [(a, True) for a in actions]  # noqa: E731
+    potato, dice = "take red potato from counter", "dice red potato with knife"
+    end = ["drop knife", "prepare meal", "eat meal"]
+    played = {"detour": play_steps(cooking_spec, "train-cut-0", valid([potato, "take knife from table", "drop knife",
+                                                                         "take knife", dice, *end]), 0),
+              "short": play_steps(cooking_spec, "train-cut-0", valid([potato, "take knife", dice, *end]), 0),
+              "idle": play_steps(cooking_spec, "train-cut-0", valid(["inventory", "look"]), 0),
+              "walkthrough": play_steps(cooking_spec, "train-cut-0", valid(CUT[2:]), 0)}
+    assert {k: e.won for k, e in played.items()} == {"detour": True, "short": True, "idle": False, "walkthrough": True}
+    return played
+
+
+# 2nd iteration: short (6 steps, 10 each), idle (2 steps, 0): mean 7.5, squared deviations 6 * 2.5^2 + 2 * 7.5^2 = 150
+STD_SHORT = math.sqrt(150 / 7)
+WIN_SHORT, LOSS_SHORT = 2.5 / (STD_SHORT + 1e-6), -7.5 / (STD_SHORT + 1e-6)  # 0.540062, -1.620185
+
+
+@pytest.mark.parametrize("edge_match, static_arg, short_re, added", [
+    ("action", False, [1, 1, 1, 1, 1, 1], [2, 1]),  # ("take knife", S2) is the detour's grown edge's (a, s')
+    ("full", False, [1, 0, 1, 1, 1, 1], [2, 1]),  # (S1, take knife, S2) is no edge: only (X, take knife, S2) is
+    ("action", True, [1, 0, 1, 1, 1, 1], [0, 0]),  # Static: G stays the walkthrough's, no "take knife" edge at all
+])
+def test_training_batch_edge_match_and_static_arg_over_two_iterations(cooking_spec, cooking_runner, knife, edge_match,
+                                                                     static_arg, short_re, added):
+    """The main loop's order: iteration 1 labels from G^(0), then grows G^(1) by the won detour: (S2, drop knife, X)
+    and (X, take knife, S2), X = the potato held, the knife on the ground. Iteration 2 labels the short episode:
+    its `take knife` goes from S1 (the potato held, the knife on the table) to S2, a vertex, by an action some
+    edge into S2 carries; --edge-match full also asks the edge to leave S1. --static-arg never grows G."""
+    graphs = {}
+    args = proas.Args(success_reward=10.0, invalid_penalty=0.1, edge_match=edge_match, static_arg=static_arg)
+    first = proas.training_batch(cooking_spec, cooking_runner, [knife["detour"]], graphs, args, 1)[3]
+    assert first["proas/graph_edges_added"] == added[0] and len(graphs["train-cut-0"]["edges"]) == 6 + added[0]
+    advantages, metrics = proas.training_batch(cooking_spec, cooking_runner, [knife["short"], knife["idle"]], graphs,
+                                               args, 2)[2:]
+    # idle: inventory and look leave the state as it is, PA = [0, 0], D = [2, 1], mean 1.5: APR weights 4/3, 2/3
+    expected = [re * WIN_SHORT for re in short_re] + [4 / 3 * LOSS_SHORT, 2 / 3 * LOSS_SHORT]
+    assert advantages.tolist() == pytest.approx(expected, rel=1e-5, abs=1e-12)
+    assert metrics["proas/masked_frac"] == pytest.approx(short_re.count(0) / 6)
+    # the short episode's (S1, take knife, S2) is new to G: added unless static
+    assert metrics["proas/graph_edges_added"] == added[1] and len(graphs["train-cut-0"]["edges"]) == 6 + sum(added)
+
+
+def test_training_batch_arg_edge_drop_unlabels_the_dropped_edges_steps(cooking_spec, cooking_runner, knife):
+    """--arg-edge-drop 0.4 (Table 2b): G^(0) of train-cut-0 loses round(0.4 * 6) = 2 of its 6 edges, chosen by
+    (--seed, task) as replay_reference chooses them: the walkthrough's 2 steps along them are not reasonable (MUI
+    zeroes them); growth from the won walkthrough puts both edges back."""
+    full = proas.replay_reference(cooking_spec, cooking_runner, ["train-cut-0"])["train-cut-0"]
+    kept = proas.replay_reference(cooking_spec, cooking_runner, ["train-cut-0"], edge_drop=0.4, seed=1)["train-cut-0"]
+    dropped = {a for _, a, _ in full["edges"] - kept["edges"]}
+    assert len(dropped) == 2 and dropped < set(CUT[2:])
+    graphs = {}
+    args = proas.Args(success_reward=10.0, invalid_penalty=0.1, arg_edge_drop=0.4)  # --seed 1, the default
+    episodes = [knife["walkthrough"], knife["idle"]]
+    advantages, metrics = proas.training_batch(cooking_spec, cooking_runner, episodes, graphs, args, 1)[2:]
+    # walkthrough (6 steps, 10 each), idle (2 steps, 0): mean 7.5, as in the 2nd iteration above
+    expected = [(a not in dropped) * WIN_SHORT for a in CUT[2:]] + [4 / 3 * LOSS_SHORT, 2 / 3 * LOSS_SHORT]
+    assert advantages.tolist() == pytest.approx(expected, rel=1e-5, abs=1e-12)
+    assert (advantages[:6] == 0).sum() == 2 and metrics["proas/masked_frac"] == pytest.approx(2 / 6)
+    assert metrics["proas/graph_edges_added"] == 2 and graphs["train-cut-0"]["edges"] == full["edges"]
+
+
+def test_training_batch_arg_random_labels_moves_the_labels_but_keeps_their_count(cooking_spec, cooking_runner, batch):
+    """--arg-random-labels (Table 2b): the batch's 34 (Re, PA) pairs (15 of them (1, 1), the rest (0, 0)) are
+    shuffled across its trajectories by default_rng([seed, iteration, rank]); Eq. 7 then shapes with them."""
+    args = proas.Args(success_reward=10.0, invalid_penalty=0.1, arg_random_labels=True)
+    advantages, metrics = proas.training_batch(cooking_spec, cooking_runner, batch, {}, args, 3)[2:]
+    flat = np.concatenate(BATCH_LABELS)[np.random.default_rng([1, 3, 0]).permutation(34)].tolist()
+    moved, start = [], 0
+    for lab in BATCH_LABELS:
+        moved.append(flat[start : start + len(lab)])
+        start += len(lab)
+    assert moved != BATCH_LABELS and sum(flat) == 15
+    grpo_adv, expected, start = grpo_by_hand(batch), [], 0
+    for lab in moved:
+        expected += shaped_by_hand(grpo_adv[start : start + len(lab)], lab, "proas")
+        start += len(lab)
+    assert advantages.tolist() == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    assert metrics["proas/re_mean"] == metrics["proas/pa_mean"] == pytest.approx(15 / 34)  # the count is kept
+    won_re = sum((lab for e, lab in zip(batch, moved) if e.won), [])  # 23 steps; 13 of them Re = 1 unshuffled
+    assert metrics["proas/masked_frac"] == pytest.approx(1 - sum(won_re) / 23) and sum(won_re) != 13
+
+
+@pytest.mark.parametrize("knobs", [dict(gamma=0.5, step_norm="mean", episode_norm="mean_std"),
+                                   dict(step_advantage_w=0.5, step_norm="mean_std", episode_norm="mean_std"),
+                                   dict(step_norm="mean", episode_norm="mean")])
+def test_base_gigpo_takes_gigpos_knobs(cooking_spec, cooking_runner, batch, knobs):
+    """--base gigpo with --gamma / --step-advantage-w / --step-norm / --episode-norm: the advantages shaped are
+    A^E + w A^S by hand (test_gigpo.gigpo_by_hand), with those knobs; each knob changes them on this batch."""
+    from test_gigpo import gigpo_by_hand
+
+    full = {"gamma": 0.95, "step_advantage_w": 1.0, "step_norm": "mean_std", "episode_norm": "mean_std", **knobs}
+    base = gigpo_by_hand(batch, *full.values())[0]  # (gamma, w, step_norm, episode_norm)
+    args = proas.Args(success_reward=10.0, invalid_penalty=0.1, base="gigpo", **knobs)
+    advantages = proas.training_batch(cooking_spec, cooking_runner, batch, {}, args, 1)[2]
+    expected, start = [], 0
+    for e, lab in zip(batch, BATCH_LABELS):
+        expected += shaped_by_hand(base[start : start + len(lab)], lab, "proas", 1.0 if e.won else -1.0)
+        start += len(lab)
+    assert advantages.tolist() == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    flip = {"gamma": 0.95, "step_advantage_w": 1.0, "mean": "mean_std", "mean_std": "mean"}
+    for name, value in knobs.items():  # the test can fail: each knob on its own moves A^E + w A^S on this batch
+        other = {**full, name: flip.get(name, flip.get(value))}
+        assert not np.allclose(gigpo_by_hand(batch, *other.values())[0], base), name
+
+
+def test_base_gigpo_takes_the_similarity_threshold(cooking_spec, cooking_runner, batch):
+    """--base gigpo --similarity-thresh 0.8: in train-cut-0's group the dice line joins the take-the-potato line's
+    anchor group (difflib ratio 0.848; no other two lines of the batch reach 0.8): A^E + w A^S by hand as if both
+    lines read the same, then shaped by Eq. 7."""
+    from difflib import SequenceMatcher
+
+    from test_gigpo import gigpo_by_hand
+
+    take = next(t.observation for t in batch[0].turns if t.observation.startswith("You take the red potato"))
+    dice = next(t.observation for t in batch[0].turns if t.observation.startswith("You dice the red potato"))
+    assert 0.8 <= SequenceMatcher(None, dice, take).ratio() < 0.85  # 2 * 64 matching characters / (67 + 84)
+    same = lambda t: replace(t, observation=take if t.observation == dice else t.observation)  # noqa: E731
+    alike = [replace(e, turns=[same(t) for t in e.turns]) for e in batch]
+    base = gigpo_by_hand(alike, 0.95, 1.0, "mean_std", "mean_std")[0]
+    assert not np.allclose(base, gigpo_by_hand(batch, 0.95, 1.0, "mean_std", "mean_std")[0])  # the join moves A^S
+    args = proas.Args(success_reward=10.0, invalid_penalty=0.1, base="gigpo", similarity_thresh=0.8,
+                      step_norm="mean_std", episode_norm="mean_std")
+    advantages = proas.training_batch(cooking_spec, cooking_runner, batch, {}, args, 1)[2]
+    expected, start = [], 0
+    for e, lab in zip(batch, BATCH_LABELS):
+        expected += shaped_by_hand(base[start : start + len(lab)], lab, "proas", 1.0 if e.won else -1.0)
+        start += len(lab)
+    assert advantages.tolist() == pytest.approx(expected, rel=1e-9, abs=1e-12)
 
 
 def test_webshop_graph_takes_the_options_in_any_order_and_any_search_words():
