@@ -1,10 +1,14 @@
 """actguide.py: guidance rendering, the k search, group replacement, the mixed-policy update,
-evaluation without guidance, and the script end to end (selective and always, exact resume)."""
+evaluation without guidance, and the script end to end (off = grpo.py, selective and always, exact resume)."""
 
 import contextlib
 import copy
 import itertools
+import socket
 import statistics
+import subprocess
+import sys
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -12,6 +16,7 @@ import torch
 
 import actguide
 import envs
+from conftest import REPO, SHARED_DATA
 
 TASK = "train-cook-0"  # walkthrough: inventory, examine cookbook, take carrot from fridge, cook carrot with oven, prepare meal, eat meal
 HINT_HEADER = "Reference action trajectory hint:"
@@ -184,6 +189,102 @@ def test_fixed_k_reroll_uses_the_walkthrough_prefix_and_keeps_the_unguided_promp
         assert HINT_HEADER not in tokenizer.decode(e.unguided_prompts[0])
 
 
+def hint_lines(tokenizer, prompt) -> list[str]:
+    """The numbered actions of the prompt's g_k (none without a hint)."""
+    text = tokenizer.decode(prompt)
+    if HINT_HEADER not in text:
+        return []
+    lines = text.split(HINT_HEADER + "\n", 1)[1].splitlines()
+    return [line.split(". ", 1)[1] for line in itertools.takewhile(lambda s: s[:1].isdigit() and ". " in s, lines)]
+
+
+def test_search_probes_probe_episodes_per_group_each_round_and_stops_after_max_probe_rounds(tiny_model, cooking_spec):
+    """--probe-episodes 3, --max-probe-rounds 1: each hard group is probed once, at mid = K // 2, with 3
+    episodes (one batch, both groups in lockstep); no episode can win in one step, so the probe fails,
+    lo = mid + 1, and the cap ends the search at k = lo. (5 rounds, the default, would reach k = K.)"""
+    tokenizer, _, generate, seen = tiny_generate(tiny_model)
+    calls = []
+
+    def counted(prompts, temperature):
+        calls.append(len(prompts))
+        return generate(prompts, temperature)
+
+    args = small_args(guidance="selective", probe_episodes=3, max_probe_rounds=1, max_steps=1)
+    tasks = [TASK, "train-easy-0"]  # walkthroughs of K = 6 and K = 5 actions
+    runner = envs.EnvRunner(cooking_spec, 1)
+    try:
+        plans = runner.reference_actions(tasks)
+        episodes = [actguide.Episode(t, g) for g, t in enumerate(tasks) for _ in range(2)]
+        timing = actguide.rollout(cooking_spec, runner, tokenizer, generate, args, episodes, 1.0, "test")
+        assert calls == [] and len(seen) == 4 and not any(e.won for e in episodes)  # both groups hard
+        out, metrics = actguide.guide_groups(cooking_spec, runner, tokenizer, counted, args, episodes, timing)
+    finally:
+        runner.close()
+    assert [len(p) for p in plans] == [6, 5]
+    # one probe round: 3 episodes of group 0 at mid (0 + 6) // 2 = 3, 3 of group 1 at (0 + 5) // 2 = 2, one batch;
+    # then the guided re-roll: 2 episodes per group, at k = 3 + 1 = 4 and k = 2 + 1 = 3
+    assert calls == [6, 4]
+    assert [hint_lines(tokenizer, p) for p in seen[4:10]] == [plans[0][:3]] * 3 + [plans[1][:2]] * 3
+    assert [hint_lines(tokenizer, p) for p in seen[10:]] == [plans[0][:4]] * 2 + [plans[1][:3]] * 2
+    assert [e.hint for e in out] == [plans[0][:4]] * 2 + [plans[1][:3]] * 2 and [e.group for e in out] == [0, 0, 1, 1]
+    assert metrics["actguide/probe_episodes"] == 6.0 and metrics["actguide/guided_group_frac"] == 1.0
+    assert metrics["actguide/k_mean"] == 3.5 and metrics["actguide/k_over_K_mean"] == pytest.approx((4 / 6 + 3 / 5) / 2)
+    assert metrics["actguide/gen_tokens_probes"] > 0 and metrics["actguide/guided_success_rate"] == 0.0
+
+
+SEARCH_QA = SHARED_DATA / "search_qa"
+
+
+@contextlib.contextmanager
+def search_server(corpus):
+    """The BM25 retrieval server, started as users start it (the search env pings it at reset)."""
+    pytest.importorskip("bm25s", reason="bm25s not installed: pip install bm25s")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "envs.search", "serve", "--corpus", str(corpus), "--port", str(port)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert "serving" in proc.stdout.readline()
+        yield f"http://127.0.0.1:{port}/retrieve"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_always_mode_plays_a_group_without_action_data_at_g0_instead_of_dropping_it(tiny_model):
+    """--guidance always runs no unguided rollout, so every group must come out of guide_groups played:
+    a search question with a Search-R1 trajectory at g_k (k = min(--fixed-k, K)), one without any at g_0
+    (unguided). Only --guidance selective drops plan-less groups (they keep their unguided rollout)."""
+    from envs import search
+
+    corpus = SEARCH_QA / "corpus" / "flashrag_sample_data_1000.jsonl"
+    if not corpus.exists():
+        pytest.skip(f"shared search data not found at {SEARCH_QA}")
+    tokenizer, _, generate, seen = tiny_generate(tiny_model)
+    args = small_args(guidance="always", fixed_k=1, max_steps=1)
+    solved = search.reference_queries(str(SEARCH_QA))
+    with search_server(corpus) as url:
+        spec = envs.load("search", data=str(SEARCH_QA), url=url)
+        ids = [t for t in spec.task_ids("test") if t.startswith("test/bamboogle/")]
+        rows = search.questions(str(SEARCH_QA), "test")[0]["bamboogle"]
+        with_plan = next(t for t in ids if solved.get(rows[int(t.split("/")[2])]["question"]))
+        without = next(t for t in ids if not solved.get(rows[int(t.split("/")[2])]["question"]))
+        plan = solved[rows[int(with_plan.split("/")[2])]["question"]]
+        episodes = [actguide.Episode(t, g) for g, t in enumerate([with_plan, without]) for _ in range(2)]  # as the main loop: unplayed
+        runner = envs.EnvRunner(spec, 1)
+        try:
+            out, metrics = actguide.guide_groups(spec, runner, tokenizer, generate, args, episodes,
+                                                 Counter(gen_s=0.0, env_s=0.0, gen_tokens=0))
+        finally:
+            runner.close()
+    assert [e.group for e in out] == [0, 0, 1, 1] and [e.hint for e in out] == [plan[:1]] * 2 + [[]] * 2
+    assert all(len(e.turns) == 1 for e in out)  # every group played, the plan-less one too
+    assert [hint_lines(tokenizer, p) for p in seen] == [plan[:1]] * 2 + [[]] * 2
+    assert metrics["actguide/guided_group_frac"] == 1.0 and metrics["actguide/k_mean"] == 0.5
+    assert metrics["actguide/probe_episodes"] == 0.0
+
+
 def test_evaluation_prompts_carry_no_hint(tiny_model, cooking_spec):
     tokenizer, _, generate, seen = tiny_generate(tiny_model)
     args = small_args(guidance="always", fixed_k=3)
@@ -235,6 +336,26 @@ def test_old_logprobs_come_from_the_hinted_prompt_and_training_and_kl_from_the_u
 # TINY_FLAGS shrunk further (the last value of a repeated flag wins): one probe round of one episode
 E2E_FLAGS = ["--probe-episodes", "1", "--max-probe-rounds", "1", "--num-eval-tasks", "1", "--eval-every", "2",
              "--max-steps", "2", "--max-new-tokens", "8"]
+
+
+def test_guidance_off_is_exactly_grpo(tiny_model, tmp_path):
+    """--guidance off (the zero-RL comparison): no probe, no guided re-roll, the same iteration as grpo.py's,
+    metric for metric; actguide.py adds only its unguided success rate (here every group's own)."""
+    from test_grpo_e2e import TINY_FLAGS, comparable, only_run, read_metrics, run_script
+
+    flags = [*TINY_FLAGS, "--num-tasks", "1", "--num-eval-tasks", "1", "--max-steps", "2", "--max-new-tokens", "8",
+             "--total-iterations", "1"]
+    metrics = {}
+    for script, extra in (("grpo.py", []), ("actguide.py", ["--guidance", "off"])):
+        out = run_script(script, "--model", tiny_model, *flags, *extra, "--output-dir", str(tmp_path / script))
+        assert out.returncode == 0, out.stderr[-3000:]
+        metrics[script] = read_metrics(only_run(tmp_path / script))
+    grpo_run, off = metrics["grpo.py"], metrics["actguide.py"]
+    assert sorted(off) == sorted(grpo_run) == [0, 1]
+    assert [k for k in off[1] if k.startswith("actguide/")] == ["actguide/unguided_success_rate"]
+    assert off[1].pop("actguide/unguided_success_rate") == off[1]["charts/success_rate"]  # no group was re-rolled
+    for it in (0, 1):
+        assert comparable(off[it]) == comparable(grpo_run[it])
 
 
 def test_selective_two_iterations_then_exact_resume_with_the_probe_totals(tiny_model, tmp_path):

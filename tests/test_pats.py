@@ -238,6 +238,20 @@ def test_iteration_review_keeps_a_shown_exemplar_drops_an_unneeded_one_and_skips
     assert state["ema"]["cut"] == pytest.approx(0.1 * 2 / 3 + 0.45) and metrics["pats/mode_REVISE"] == 1
 
 
+def test_review_bank_no_adapt_keeps_the_exemplar_of_a_task_solved_without_it():
+    """--no-adapt (the full context always): a group that all passed without its exemplar keeps it, refreshed
+    from its newest win; adapting drops it (as above)."""
+    wins = [e for e in hand_made_group() if e.won]
+    episodes = [Episode("train-cut-1", 1, e.task, e.task_type, turns=list(e.turns), won=True, score=1.0) for e in wins]
+    cards = pats.iteration_cards(episodes, 10.0, iteration=5)
+    assert cards[0]["all_passed"] and pats.EXEMPLAR not in cards[0]["shown"]
+    refreshed = "- Exemplar (a successful attempt at this task): take knife -> slice carrot with knife"
+    for no_adapt, exemplars in [(True, {"train-cut-1": refreshed}), (False, {})]:
+        state = {"bank": {}, "ema": {}, "exemplars": {"train-cut-1": "- Exemplar: old"}, "next_id": 0}
+        metrics = pats.review_bank(state, cards, lambda *_: ([], 0), pats.Args(no_adapt=no_adapt), iteration=5)
+        assert state["exemplars"] == exemplars and metrics["pats/exemplars"] == len(exemplars)
+
+
 def test_the_scaffold_counts_against_the_budget_and_never_pushes_out_the_prompt(tiny_model, cooking_spec):
     """A scaffold (e.g. --no-adapt's whole bank) keeps the lines that fit beside grpo.py's prompt of the turn
     (template head, history, observation all kept); the prompt never exceeds --max-prompt-tokens."""
@@ -319,14 +333,78 @@ def test_rollout_prompts_carry_the_frozen_group_scaffold_and_evaluation_prompts_
     assert seen and not any("Training guidance" in p or "take knife" in p.split("Your task")[0] for p in seen)
 
 
-def test_cli_two_iterations_on_cooking_across_a_resume_keep_the_bank(tiny_model, tmp_path):
-    """Iteration 1 in one process, iteration 2 in a resumed one (one CLI run of each kind, to fit CI)."""
-    from test_grpo_e2e import TINY_FLAGS, only_run, read_metrics, run_script
+@pytest.fixture(scope="module")
+def first_iteration(tiny_model, tmp_path_factory):
+    """Iteration 1 of a CLI run on cooking (rules reviewer; --seed 1 draws train-cut-946 and train-open-1023), its
+    run directory checkpointed. Tests resume copies of it."""
+    from test_grpo_e2e import TINY_FLAGS, only_run, run_script
 
+    out_dir = tmp_path_factory.mktemp("pats-first")
     flags = [*TINY_FLAGS, "--num-eval-tasks", "1", "--eval-every", "100", "--reviewer", "rules"]
-    out = run_script("pats.py", "--model", tiny_model, *flags, "--total-iterations", "1", "--output-dir", str(tmp_path))
+    out = run_script("pats.py", "--model", tiny_model, *flags, "--total-iterations", "1", "--output-dir", str(out_dir))
     assert out.returncode == 0, out.stderr[-3000:]
-    run = only_run(tmp_path)
+    return only_run(out_dir)
+
+
+# ---- the method's flags, through the main loop (the scaffold is built there, per group, from args) (issue 42) -----
+def planted_bank(run):
+    """Iteration 2 (--seed 1) draws train-open-69 (X) and train-open-1900 (Y), both of type open. Their type's bank,
+    competence 0.5 (k = ceil(K / 2) items) and exemplars are set in the checkpoint, by hand: three short plans citing
+    another task (ids 0-2, 4 estimated tokens each) and a long one citing X (id 3, over 300 tokens): X's context
+    ranks [3, 0, 1, 2], Y's [0, 1, 2, 3]; Y alone has an exemplar, over 1024 tokens; X none."""
+    import numpy as np
+
+    import envs
+
+    spec = envs.load("cooking")
+    train, rng = spec.task_ids(spec.preset.train_split), np.random.default_rng(1)  # the main loop's task_rng
+    draws = [[train[k] for k in rng.choice(len(train), 2, replace=False)] for _ in range(2)]
+    assert draws[1] == ["train-open-69", "train-open-1900"]
+    short = [entry(i, plan=f"step {i}", sources=["train-open-5"], created=1) for i in range(3)]
+    long = entry(3, plan="open the fridge, then look at every shelf before taking anything. " * 20,
+                 sources=["train-open-69"], created=1)
+    exemplar = "- Exemplar (a successful attempt at this task): " + " -> ".join(["open fridge", "take carrot"] * 200)
+    assert [pats.est_tokens(pats.render_entry(e)) for e in short] == [4, 4, 4]
+    assert 300 < pats.est_tokens(pats.render_entry(long)) <= 1024 - 8 and pats.est_tokens(exemplar) > 1024
+    path = run / "checkpoint" / "trainer_state.pt"
+    state = torch.load(path, weights_only=False)
+    state["method"]["pats"]["bank"]["open"] = short + [long]
+    state["method"]["pats"]["ema"]["open"] = 0.5
+    state["method"]["pats"]["exemplars"] = {"train-open-1900": exemplar}
+    torch.save(state, path)
+
+
+@pytest.mark.parametrize("flags, items", [
+    # K = 2 -> k = ceil(2 x 0.5) = 1: X [3] is over 300 tokens -> 0 items; Y (no exemplar: --no-cards) [0] -> 1.
+    # (K = 6: Y 3 items; 1024 tokens: X 1; cards: Y's exemplar is over 300 tokens -> 0)
+    (["--no-cards", "--scaffold-max-items", "2", "--scaffold-max-tokens", "300"], (0 + 1) / 2),
+    # the exemplar and the whole bank, whatever k and the token budget: X 4, Y 5 (adapting: X [3, 0, 1] fits
+    # 1024 tokens -> 3; Y's exemplar alone does not -> 0)
+    (["--no-adapt"], (4 + 5) / 2),
+])
+def test_cli_scaffold_flags_size_each_groups_context(first_iteration, tmp_path, flags, items):
+    """--no-cards, --scaffold-max-items, --scaffold-max-tokens, --no-adapt: iteration 2 of the main loop, resumed
+    from a checkpoint whose bank is set by hand; pats/scaffold_items is the mean number of items shown to an episode
+    (2 episodes per group)."""
+    import shutil
+
+    from test_grpo_e2e import read_metrics, run_script
+
+    run = shutil.copytree(first_iteration, tmp_path / first_iteration.name)
+    planted_bank(run)
+    out = run_script("pats.py", "--resume", str(run), "--total-iterations", "2", "--max-steps", "1",
+                     "--no-gradient-checkpointing", *flags)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert read_metrics(run)[2]["pats/scaffold_items"] == items
+
+
+def test_cli_two_iterations_on_cooking_across_a_resume_keep_the_bank(first_iteration, tmp_path):
+    """Iteration 1 in one process, iteration 2 in a resumed one (one CLI run of each kind, to fit CI)."""
+    import shutil
+
+    from test_grpo_e2e import TINY_FLAGS, read_metrics, run_script
+
+    run = shutil.copytree(first_iteration, tmp_path / first_iteration.name)
     metrics = read_metrics(run)
     # iteration 1 starts from an empty bank: no scaffold; the tiny model writes malformed steps only, so
     # the rules reviewer (EXPAND at competence 0) adds the format constraint and the format pitfall
@@ -355,10 +433,14 @@ def test_cli_policy_reviewer_tokens_count_in_the_iterations_tokens(tiny_model, t
     from test_grpo_e2e import TINY_FLAGS, only_run, read_metrics, run_script
 
     flags = [*TINY_FLAGS, "--num-tasks", "1", "--max-steps", "1", "--max-new-tokens", "1", "--num-eval-tasks", "1",
-             "--eval-every", "100", "--reviewer", "policy", "--reviewer-max-new-tokens", "16", "--total-iterations", "1"]
+             "--eval-every", "100", "--reviewer", "policy", "--reviewer-max-new-tokens", "16", "--total-iterations", "1",
+             "--max-prompt-tokens", "600"]
     out = run_script("pats.py", "--model", tiny_model, *flags, "--output-dir", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     row = read_metrics(only_run(tmp_path))[1]
     assert row["tokens/samples"] == 2 and 1 <= row["pats/reviewer_response_tokens"] <= 16
     assert row["tokens/response"] == row["tokens/samples"] + row["pats/reviewer_response_tokens"]
     assert row["tokens/prompt"] > row["pats/reviewer_prompt_tokens"] > 0 and row["pats/review_s"] > 0
+    # the reviewer's prompt leaves its answer room: at most 600 + 1 - 16 = 585 tokens (of its tail); with
+    # --reviewer-max-new-tokens 512 that room would be 89 tokens, less than this prompt
+    assert 89 < row["pats/reviewer_prompt_tokens"] <= 585

@@ -72,8 +72,32 @@ def test_demonstration_prompts_equal_the_rollout_prompts_of_the_same_states(tiny
     assert "Action 1: 'inventory'" in tokenizer.decode(samples[1][0]) and "Action 1" not in tokenizer.decode(samples[0][0])
 
 
+def test_no_held_out_task_plays_no_evaluation_and_logs_none(tiny_model, tmp_path):
+    """--num-eval-tasks 0 (a warm start whose RL runs measure it on their own held-out lists): no
+    evaluation episode, no eval/ or eval_sampling/ key (they were NaN), the epoch still trains.
+    Also the schedule over --epochs x minibatches, and the last epoch's checkpoint under --save-every."""
+    # 10 samples in minibatches of 4: 3 optimizer steps for the 1 epoch. --warmup-ratio 0.5: int(0.5 * 3) = 1 warmup
+    # step at 1/2 of the peak, then the cosine 0.5 (1 + cos(pi (s - 1) / 2)): 1 and 1/2. --save-every 3: the last
+    # epoch is saved all the same. PROGRESS_LOG_EVERY_S 0: a progress line per update, with the epoch total.
+    out = run_script("sft.py", "--model", tiny_model, *SFT_FLAGS, "--num-eval-tasks", "0", "--epochs", "1",
+                     "--warmup-ratio", "0.5", "--save-every", "3", "--output-dir", str(tmp_path / "runs"),
+                     env={"PROGRESS_LOG_EVERY_S": "0"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = only_run(tmp_path / "runs")
+    metrics = read_metrics(run)
+    assert sorted(metrics) == [0, 1] and metrics[0]["demos/samples"] == 10 and metrics[1]["losses/nll"] > 0
+    steps = [json.loads(line) for line in (run / "steps.jsonl").read_text().splitlines()]
+    assert [s["lr"] for s in steps] == pytest.approx([5e-4, 1e-3, 5e-4], rel=1e-9)
+    assert torch.load(run / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 1
+    assert "sft: 1/1 epochs" in out.stderr and "/3 epochs" not in out.stderr
+    assert not [k for row in metrics.values() for k in row if k.startswith("eval")]
+    assert "epoch 1: nll" in out.stdout + out.stderr and "eval success" not in out.stdout + out.stderr
+
+
 def test_sft_trains_checkpoints_resumes_and_warm_starts_grpo_and_proas(tiny_model, tmp_path):
-    flags = [*SFT_FLAGS, "--lr-schedule", "constant", "--warmup-ratio", "0"]
+    # the schedule does not depend on --epochs here (constant, no warmup): run B below, stopped after epoch 1, is
+    # run A's first epoch. --eval-every 3 skips epoch 1; epoch 2, the last, is evaluated all the same.
+    flags = [*SFT_FLAGS, "--lr-schedule", "constant", "--warmup-ratio", "0", "--eval-every", "3"]
     straight = run_script("sft.py", "--model", tiny_model, *flags, "--epochs", "2", "--output-dir", str(tmp_path / "a"))
     assert straight.returncode == 0, straight.stderr[-3000:]
     assert "demonstrations: 2 of 2 tasks replayed to a win, 10 step samples" in straight.stdout
@@ -83,6 +107,7 @@ def test_sft_trains_checkpoints_resumes_and_warm_starts_grpo_and_proas(tiny_mode
     assert metrics[0]["demos/samples"] == 10 and "eval/success_rate" in metrics[0] and "eval_sampling/success_rate" in metrics[0]
     assert metrics[1]["perf/optimizer_steps"] == 3  # ceil(10 / 4) minibatches of 4, 3, 3
     assert metrics[2]["losses/nll"] < metrics[1]["losses/nll"]
+    assert "eval/success_rate" not in metrics[1] and "eval/success_rate" in metrics[2] and "eval_sampling/success_rate" in metrics[2]
     steps = [json.loads(line) for line in (run_a / "steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == list(range(6)) and {s["lr"] for s in steps} == {1e-3}
     assert sum(s["losses/nll"] for s in steps[:3]) / 3 == pytest.approx(metrics[1]["losses/nll"], rel=0.2)
@@ -109,18 +134,6 @@ def test_sft_trains_checkpoints_resumes_and_warm_starts_grpo_and_proas(tiny_mode
                         "--output-dir", str(tmp_path / script))
         assert rl.returncode == 0, rl.stderr[-3000:]
         assert "charts/success_rate" in read_metrics(only_run(tmp_path / script))[1]
-
-
-def test_no_held_out_task_plays_no_evaluation_and_logs_none(tiny_model, tmp_path):
-    """--num-eval-tasks 0 (a warm start whose RL runs measure it on their own held-out lists): no
-    evaluation episode, no eval/ or eval_sampling/ key (they were NaN), the epoch still trains."""
-    out = run_script("sft.py", "--model", tiny_model, *SFT_FLAGS, "--num-eval-tasks", "0", "--epochs", "1",
-                     "--output-dir", str(tmp_path / "runs"))
-    assert out.returncode == 0, out.stderr[-3000:]
-    metrics = read_metrics(only_run(tmp_path / "runs"))
-    assert sorted(metrics) == [0, 1] and metrics[0]["demos/samples"] == 10 and metrics[1]["losses/nll"] > 0
-    assert not [k for row in metrics.values() for k in row if k.startswith("eval")]
-    assert "epoch 1: nll" in out.stdout + out.stderr and "eval success" not in out.stdout + out.stderr
 
 
 def test_an_env_without_expert_trajectories_is_one_clear_line(tiny_model, tmp_path):

@@ -133,7 +133,8 @@ def played(task_group: int, strategy_index: int, z, won: bool, valid: list[bool]
     return e
 
 
-def test_training_batch_trains_actions_per_task_and_strategy_and_strategies_per_task():
+def two_tasks_batch():
+    """2 tasks x N=2 strategies x M=3 episodes: the strategies (3, 2, 3 and 6 tokens; z2 untagged) and the episodes."""
     z = [strata.Strategy([1, 0], [9] * 3, "z0", True), strata.Strategy([1, 1], [9] * 2, "z1", True),
          strata.Strategy([1, 2], [9] * 3, "z2", False), strata.Strategy([1, 3], [9] * 6, "z3", True)]
     episodes = [
@@ -145,6 +146,11 @@ def test_training_batch_trains_actions_per_task_and_strategy_and_strategies_per_
         played(1, 1, z[3], False, [True]), played(1, 1, z[3], True, [True, True], flagged={1, 2}),
         played(1, 1, z[3], False, [True]),
     ]
+    return z, episodes
+
+
+def test_training_batch_trains_actions_per_task_and_strategy_and_strategies_per_task():
+    z, episodes = two_tasks_batch()
     args = strata.Args(success_reward=10.0, invalid_penalty=0.1, judge_penalty=0.1, num_strategies=2,
                        episodes_per_strategy=3, top_delta=0.5, strategy_token_budget=4, strategy_length_penalty=0.5,
                        strategy_format_penalty=0.5)
@@ -167,6 +173,27 @@ def test_training_batch_trains_actions_per_task_and_strategy_and_strategies_per_
     assert metrics["strata/strategy_reward"] == pytest.approx(1.25 / 4)
     assert metrics["strata/strategy_format_ok"] == 0.75
     assert metrics["strata/strategy_tokens"] == 3.5
+
+
+def test_training_batch_takes_the_methods_reward_knobs():
+    """--judge-penalty 0.3, --top-delta 1.0, --strategy-length-penalty 1.0, --strategy-format-penalty 0.25 (none
+    the default) on the batch above; each knob moves the step scores or the strategy rewards by hand."""
+    z, episodes = two_tasks_batch()
+    args = strata.Args(success_reward=10.0, invalid_penalty=0.1, judge_penalty=0.3, num_strategies=2,
+                       episodes_per_strategy=3, top_delta=1.0, strategy_token_budget=4, strategy_length_penalty=1.0,
+                       strategy_format_penalty=0.25)
+    _, _, advantages, _, metrics = strata.training_batch(episodes, args)
+    # s = won - 0.1 invalid - 0.3 flagged
+    groups = [[1, 1, 0, -0.1, 0.9], [0, 0, -0.3, 0, 0.7, 1], [0, -0.1, 0, 0], [0, 0.7, 0.7, 0]]
+    actions = [(s - statistics.mean(g)) / (statistics.stdev(g) + 1e-6) for g in groups for s in g]
+    # delta 1: the mean of all 3 returns. z0 (1, 0, 1) 2/3; z1 (0, 0, 1) 1/3; z2 0 - 0.25 untagged;
+    # z3 (0, 1, 0) 1/3 - 1.0 * (6 - 4) / 4 = -1/6
+    rewards = [[2 / 3, 1 / 3], [-0.25, -1 / 6]]
+    strategies = [(r - statistics.mean(t)) / (statistics.stdev(t) + 1e-6) for t in rewards for r in t]
+    assert advantages.tolist() == pytest.approx(actions + strategies, rel=1e-9)
+    flat = [r for t in rewards for r in t]
+    assert metrics["strata/strategy_reward"] == pytest.approx(7 / 48)  # (2/3 + 1/3 - 1/4 - 1/6) / 4
+    assert metrics["strata/strategy_reward_std"] == pytest.approx(float(np.std(flat)))
 
 
 # ---- self-judgment -----------------------------------------------------------------------------
@@ -264,11 +291,152 @@ def test_strategy_loss_coef_scales_only_the_strategy_term(tiny):
     assert torch.allclose(d_half - d0, 0.5 * (d1 - d0), atol=1e-5)
 
 
+# ---- the method's flags, each through the function the main loop calls with args (issue 42) ----------------
+def play(spec, task_id: str, actions: list[str], strategy) -> strata.Episode:
+    """An Episode of the real game played with the given actions, under strategy z (as rollout leaves it)."""
+    env = spec.make()
+    try:
+        obs = env.reset(task_id)
+        episode = strata.Episode(task_id, 0, task=obs.task, task_type=obs.task_type, strategy=strategy)
+        for a in actions:
+            result = env.step(a)
+            episode.turns.append(strata.Turn([], [], a, True, obs.observation, None))
+            obs = result
+    finally:
+        env.close()
+    return episode
+
+
+def recording(tok, model, args, calls):
+    """The main loop's sampler (HF generate on the policy), recording each call's (rows, temperature, budget)."""
+    sampler = strata.Sampler(None, model, tok, args, contextlib.nullcontext, exact=True)
+
+    def generate(prompts, temperature, max_new_tokens=None):
+        calls.append((len(prompts), temperature, max_new_tokens))
+        return sampler(prompts, temperature, max_new_tokens)
+    return generate
+
+
+@pytest.mark.parametrize("strategy_max_new_tokens, budget", [(5, 5), (64, 16)])  # capped by --max-new-tokens 16
+def test_sample_strategies_stays_within_strategy_max_new_tokens(tiny, cooking_spec, strategy_max_new_tokens, budget):
+    """--strategy-max-new-tokens: the strategy generation's budget, min(it, --max-new-tokens); the tiny model
+    never writes EOS this early, so every strategy is exactly that long."""
+    import envs
+
+    tok, model = tiny
+    args = strata.resolve_args(strata.Args(max_new_tokens=16, strategy_max_new_tokens=strategy_max_new_tokens,
+                                           max_prompt_tokens=4096, num_strategies=2, episodes_per_strategy=2), cooking_spec)
+    calls = []
+    torch.manual_seed(0)
+    with envs.EnvRunner(cooking_spec, 1) as runner:
+        z = strata.sample_strategies(cooking_spec, runner, tok, recording(tok, model, args, calls), args,
+                                     ["train-easy-0", "train-cut-0"], 3, 1.0)
+    assert calls == [(6, 1.0, budget)]  # 2 tasks x 3 candidates in one call
+    assert [[len(s.response_ids) for s in zs] for zs in z] == [[budget] * 3] * 2
+
+
+@pytest.mark.parametrize("judge_max_new_tokens, budget", [(6, 6), (64, 16)])  # capped by --max-new-tokens 16
+def test_self_judge_shows_judge_obs_chars_and_stays_within_judge_max_new_tokens(tiny, cooking_spec, judge_max_new_tokens,
+                                                                                  budget):
+    """--judge-obs-chars 40: each step's observation in the judge prompt is cut to its first 40 characters (the
+    real game's observations are longer); --judge-max-new-tokens: the judgment's budget, min(it, --max-new-tokens),
+    at the eval temperature. An episode without turns is not judged."""
+    tok, model = tiny
+    args = strata.Args(max_new_tokens=16, judge_max_new_tokens=judge_max_new_tokens, judge_obs_chars=40,
+                       max_prompt_tokens=4096, eval_temperature=0.4)
+    z = strata.Strategy([], [], "PLAN-ALPHA take the knife first", True)
+    episodes = [play(cooking_spec, "train-cut-0", ["examine cookbook", "take red potato from counter", "take knife from table"], z),
+                strata.Episode("train-cut-0", 1, strategy=z)]
+    observations = [t.observation for t in episodes[0].turns]
+    assert all(len(o) > 40 for o in observations)
+    calls, prompts = [], []
+    generate = recording(tok, model, args, calls)
+    torch.manual_seed(0)
+    judged = strata.self_judge(tok, lambda p, *rest: (prompts.extend(p), generate(p, *rest))[1], args, episodes)
+    assert calls == [(1, 0.4, budget)]
+    assert (judged["judged"], judged["steps"], judged["tokens"]) == (1, 3, budget)
+    text = tok.decode(prompts[0])
+    for k, (o, t) in enumerate(zip(observations, episodes[0].turns), 1):
+        assert f"Step {k}: observation: '{o[:40]}', action: '{t.action}'" in text
+        assert f"observation: '{o[:41]}" not in text
+
+
+# The main loop as the CLI runs it, every HF `generate` call of the policy logged (rows, sampling, budget, first
+# prompt); the calls themselves run unchanged.
+SPY = """
+import json, os, runpy, sys
+from transformers.generation.utils import GenerationMixin
+calls, real = [], GenerationMixin.generate
+def generate(self, *args, **kw):
+    ids, mask, config = kw["input_ids"], kw["attention_mask"], kw["generation_config"]
+    calls.append(dict(rows=ids.shape[0], do_sample=config.do_sample, max_new_tokens=config.max_new_tokens,
+                      first=ids[0][mask[0].bool()].tolist()))
+    return real(self, *args, **kw)
+GenerationMixin.generate = generate
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:
+    with open(os.environ["GENERATE_LOG"], "w") as f:
+        json.dump(calls, f)
+"""
+
+
+def run_logging_generate(tiny_model, log, *flags):
+    """strata.py's CLI through SPY; returns the run and its generate calls as (kind, rows, do_sample, budget),
+    kind read off the first prompt: strategy, judge or action."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from test_grpo_e2e import REPO
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GENERATE_LOG": str(log)}
+    out = subprocess.run([sys.executable, "-c", SPY, "strata.py", "--model", tiny_model, *flags], cwd=REPO,
+                         capture_output=True, text=True, timeout=600, env=env)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+
+    def kind(ids):
+        text = tok.decode(ids)
+        if "Present the strategy within <strategy> </strategy> tags." in text:  # the templates' ends: prompts keep their tails
+            return "strategy"
+        return "judge" if "Which steps neither follow the strategy nor make progress on the task?" in text else "action"
+    calls = json.loads(log.read_text()) if log.exists() else []
+    return out, [(kind(c["first"]), c["rows"], c["do_sample"], c["max_new_tokens"]) for c in calls]
+
+
+def test_cli_no_diverse_samples_n_strategies_and_no_judgment_judges_nothing(tiny_model, tmp_path):
+    """`--no-diverse --no-judgment` (the paper's Vanilla ablation), one iteration of the main loop on 1 task, N=2,
+    sigma=2: the iteration samples N = 2 strategies (not sigma*N = 4 candidates for farthest-point selection), and
+    no judge prompt is ever generated for; the evaluations before and after sample 1 strategy for their 1 task.
+    The chosen strategies are the sampled ones: their diversity is the first N's."""
+    out, calls = run_logging_generate(tiny_model, tmp_path / "generate.json", *STRATA_FLAGS, "--max-steps", "1",
+                                      "--max-new-tokens", "4", "--strategy-max-new-tokens", "3", "--num-env-workers", "1",
+                                      "--total-iterations", "1", "--no-diverse", "--no-judgment",
+                                      "--output-dir", str(tmp_path / "out"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    # eval (1 task, at --eval-temperature 0.4: sampled), training (1 task x N = 2), eval again; min(3, 4) tokens
+    assert [c for c in calls if c[0] == "strategy"] == [("strategy", 1, True, 3), ("strategy", 2, True, 3), ("strategy", 1, True, 3)]
+    assert not [c for c in calls if c[0] == "judge"]
+    metrics = read_metrics(only_run(tmp_path / "out"))[1]
+    assert not {"strata/judge_flagged_frac", "strata/judge_parse_fail_frac", "strata/judge_tokens"} & set(metrics)
+    assert metrics["strata/diversity_chosen"] == metrics["strata/diversity_random"]
+
+
 # ---- end to end ----------------------------------------------------------------------------------
 def test_two_iterations_on_cooking_log_strata_metrics(tiny_model, tmp_path):
-    out = run_script("strata.py", "--model", tiny_model, *STRATA_FLAGS, "--total-iterations", "2", "--output-dir", str(tmp_path))
+    out, calls = run_logging_generate(tiny_model, tmp_path / "generate.json", *STRATA_FLAGS, "--total-iterations", "2",
+                                      "--output-dir", str(tmp_path / "out"))
     assert out.returncode == 0, out.stderr[-3000:]
-    run = only_run(tmp_path)
+    # --oversample 2: each iteration samples sigma * N = 4 candidates for its 1 task (each evaluation 1), within
+    # min(--strategy-max-new-tokens 256, --max-new-tokens 16); the judge then reads the iteration's N * M = 4 episodes
+    assert [c for c in calls if c[0] != "action"] == [("strategy", 1, True, 16), ("strategy", 4, True, 16), ("judge", 4, True, 16),
+                                                      ("strategy", 1, True, 16), ("strategy", 4, True, 16), ("judge", 4, True, 16),
+                                                      ("strategy", 1, True, 16)], calls
+    run = only_run(tmp_path / "out")
     metrics = read_metrics(run)
     assert sorted(metrics) == [0, 1, 2]
     for key in ["strata/strategy_reward", "strata/strategy_advantage_abs_mean", "strata/strategy_tokens", "strata/diversity_chosen",
