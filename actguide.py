@@ -852,10 +852,10 @@ def replace_groups(episodes: list[Episode], guided: list[Episode]) -> list[Episo
 
 
 def guide_groups(spec, runner, tokenizer, generate, args: Args, episodes: list[Episode], timing: dict):
-    """Hard groups (every group with --guidance always) get k (search or --fixed-k) and are rolled
-    again guided at g_k, replacing their unguided episodes. Returns the episodes to train on and metrics."""
+    """Hard groups (every group with --guidance always, whose episodes come unplayed) get k (search or --fixed-k)
+    and are rolled again guided at g_k, replacing their unguided episodes. Returns the episodes to train on and metrics."""
     tasks = {e.group: e.task_id for e in episodes}
-    hard = sorted(tasks) if args.guidance == "always" else hard_groups(episodes)
+    hard = hard_groups(episodes)  # --guidance always: no episode has played, so none has won: every group
     plans = dict(zip(hard, runner.reference_actions([tasks[g] for g in hard])))
     if args.guidance == "selective":
         hard = [g for g in hard if plans[g]]  # no action data: nothing to guide with

@@ -1525,7 +1525,7 @@ if __name__ == "__main__":
                 candidates = sample_strategies(spec, runner, tokenizer, generate, args, [train_tasks[tasks[g]] for g in my_groups], per_task, args.temperature)
                 all_emb = strategy_embeddings(model, [z.response_ids for zs in candidates for z in zs], tokenizer.pad_token_id, autocast, args.micro_batch_tokens)
                 for g, cands, emb in zip(my_groups, candidates, np.split(all_emb, len(candidates)) if candidates else []):
-                    keep = farthest_point_sampling(emb, N) if args.diverse else list(range(N))
+                    keep = farthest_point_sampling(emb, N)  # --no-diverse: a pool of N, all kept
                     chosen[g] = [cands[j] for j in keep]
                     diversity["chosen"].append(mean_pairwise_distance(emb[keep]))
                     diversity["random"].append(mean_pairwise_distance(emb[:N]))  # candidates are i.i.d.: the first N are a random pick
