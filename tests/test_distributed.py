@@ -17,7 +17,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 def torchrun(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    run = lambda: subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,  # noqa: E731
+                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out = run()
+    # One retry for one known crash, nothing else: on 2026-12-05 tests/dist_update_check.py lost rank 1 to a C++
+    # abort ("terminate called without an active exception", SIGABRT) in 2 of 8 runs under pytest and 0 of 10
+    # direct ones, cause not found (a barrier before the teardown did not cure it). A wrong result still fails.
+    if out.returncode != 0 and "terminate called without an active exception" in out.stderr:
+        out = run()
+    return out
 
 
 def test_two_process_update_matches_one_process(tiny_model, tmp_path):
