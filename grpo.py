@@ -12,9 +12,11 @@ Offline, any machine (TextWorld cooking games generated locally, no download):
 
 DAPO as verl-agent runs it (Yu et al. 2025; the ProAS paper's DAPO rows) is this file with flags: clip-higher
 (`--clip-eps-high 0.28`), dynamic sampling (`--filter-groups`: groups whose episodes all won or all lost are
-dropped and more tasks are played, at most `--max-filter-rounds` extra rounds; at the cap it trains on the
-groups it kept, or skips the update when it kept none), the token-mean loss (always), no KL:
-    python grpo.py --model Qwen2.5-1.5B-Instruct --env webshop --clip-eps-high 0.28 --filter-groups --kl-coef 0
+dropped and more tasks are played until `--num-tasks` groups are kept over all ranks, at most `--max-filter-rounds`
+extra rounds; at that cap it trains on the kept groups plus the last round unfiltered, `--filter-cap`), the
+token-mean loss (always), and the k3 KL at 0.01 as every run here (verl-agent's DAPO scripts keep `kl_loss_coef
+0.01`, and so does the ProAS paper; DAPO's own paper drops it: add `--kl-coef 0`):
+    python grpo.py --model Qwen2.5-1.5B-Instruct --env webshop --clip-eps-high 0.28 --filter-groups
 Every RL script here takes the same flags (DAPO+ProAS, DAPO+GiGPO, ...).
 
 Reported for this baseline with Qwen2.5-1.5B-Instruct on ALFWorld after 150 iterations: 70.3%
@@ -41,7 +43,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import numpy as np
 import torch
@@ -91,10 +93,15 @@ class Args:
     group_size: int = 8
     """episodes per task (the group of the group-relative baseline)"""
     filter_groups: bool = False
-    """DAPO's dynamic sampling: drop the groups whose episodes all won or all lost, play more tasks until
-    num_tasks groups are kept (or --max-filter-rounds is reached: then train on what was kept)"""
+    """DAPO's dynamic sampling: drop the groups whose episodes all won or all lost and play rounds of num_tasks more
+    tasks until num_tasks groups are kept over all ranks (surplus informative groups are cut, as verl's recipe;
+    verl-agent keeps them), at most --max-filter-rounds extra rounds"""
     max_filter_rounds: int = 9
     """extra rollout rounds --filter-groups may play in one iteration (verl's max_num_gen_batches 10 = 1 + 9)"""
+    filter_cap: Literal["last-round", "kept", "raise"] = "last-round"
+    """what --filter-groups trains on when its last round leaves fewer than num_tasks groups kept: those plus the
+    last round unfiltered (verl-agent's dynamic_multi_turn_loop), those alone and no update if none, or an error
+    (verl's DAPO recipe)"""
     total_iterations: int = 150
     """number of rollout + update iterations"""
     max_steps: Optional[int] = None
@@ -130,8 +137,9 @@ class Args:
     """coefficient of the k3 KL to the frozen reference model (0 disables the reference model)"""
     entropy_coef: float = 0.001
     """entropy bonus coefficient"""
-    minibatch_size: int = 256
-    """step samples per optimizer step, at most: an iteration takes ceil(samples / this) equal minibatches"""
+    minibatch_size: Optional[int] = None
+    """step samples per optimizer step, at most: an iteration takes ceil(samples / this) equal minibatches
+    (default: the env's preset, verl-agent's ppo_mini_batch_size: 256, webshop 64)"""
     micro_batch_tokens: Optional[int] = None
     """padded tokens per forward/backward (gradient accumulation; default 16384 with CUDA, 2048 on CPU: the peak memory)"""
     logprob_chunk_tokens: Optional[int] = None
@@ -218,7 +226,8 @@ def progress(desc: str, total: int, leave: bool = False, **kw) -> tqdm:
 def resolve_args(args: Args, spec) -> Args:
     """Fill per-env defaults and reject settings that cannot work."""
     preset = spec.preset
-    for name in ("max_steps", "history_length", "max_prompt_tokens", "success_reward", "invalid_penalty"):
+    for name in ("max_steps", "history_length", "max_prompt_tokens", "success_reward", "invalid_penalty",
+                 "minibatch_size"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(preset, name))
     args.eval_split = args.eval_split or preset.eval_split
@@ -671,15 +680,30 @@ def episode_stats(e: Episode) -> dict:
             "crashed": e.crashed, "task_type": e.task_type}
 
 
-def informative_groups(episodes: list[Episode], share: int) -> tuple[list[Episode], int]:
-    """DAPO's dynamic-sampling filter: the episodes of the first `share` groups (in play order) whose
-    episode rewards R_i are not all equal, and how many groups that is. A group that all won or all lost
-    has s_{i,t} - mean = 0 but for the invalid penalty: its outcome teaches nothing."""
+def informative_groups(episodes: list[Episode]) -> list[int]:
+    """DAPO's dynamic-sampling test: the groups (in play order) whose episode rewards R_i are not all equal.
+    A group that all won or all lost has s_{i,t} - mean = 0 but for the invalid penalty: its outcome teaches nothing."""
     outcomes = defaultdict(set)
     for e in episodes:
         outcomes[e.group].add(e.won)
-    kept = [g for g in dict.fromkeys(e.group for e in episodes) if len(outcomes[g]) > 1][:share]
-    return [e for e in episodes if e.group in kept], len(kept)
+    return [g for g, won in outcomes.items() if len(won) > 1]
+
+
+def keep_informative(kept: list[int], new: list[Episode], num_tasks: int) -> list[int]:
+    """DAPO's dynamic sampling over all ranks, one round at a time: the groups kept so far, then this round's
+    informative groups of every rank in play order, until num_tasks are kept. A group never spans ranks, and one
+    rank's surplus fills another's shortfall: a rank may train on more groups than it played in a round, or none."""
+    return kept + sorted(all_gather_objects(informative_groups(new)))[: num_tasks - len(kept)]
+
+
+def groups_at_filter_cap(kept: list[int], last_round: range, filter_cap: str) -> list[int]:
+    """What --filter-groups trains on when its last round leaves fewer than num_tasks groups kept: the kept groups
+    plus every group of the last round (verl-agent's dynamic_multi_turn_loop does not filter its last try, so it
+    never trains on an empty batch), the kept groups alone (`kept`), or nothing: verl's DAPO recipe raises."""
+    if filter_cap == "raise":
+        fail(f"--filter-groups kept {len(kept)} of {len(last_round)} groups in {last_round.stop // len(last_round)} "
+             "rounds (--filter-cap raise): raise --max-filter-rounds, or train on what it has (--filter-cap last-round)")
+    return kept + [g for g in last_round if g not in kept] if filter_cap == "last-round" else kept
 
 
 def episode_metrics(stats: list[dict], success_reward: float, prefix: str) -> dict:
@@ -850,7 +874,9 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
                   sampler: Optional[Sampler] = None):
     """Old (and reference) log-probs first, then `update_epochs` passes of minibatch PPO steps.
     Under torchrun each rank holds its own groups' samples; a minibatch is the union of one
-    slice from every rank and its loss is the token-mean over all of their response tokens.
+    slice from every rank and its loss is the token-mean over all of their response tokens: exact over the
+    minibatch, as DAPO's paper writes it (verl-agent's is the mean of its micro-batches' token-means, which
+    weighs a token by 1 / its micro-batch's tokens; the two agree when micro-batches hold equal token counts).
     Every pass (old, reference, new) scores softmax(logits / temperature), the distribution the
     rollout sampled from (verl); a step whose gradient norm is not finite is skipped and counted.
     `sampler`: what drew the samples, with the log-probs it kept (Sampler's docstring has the rule for pi_old)."""
@@ -1243,7 +1269,7 @@ if __name__ == "__main__":
             # ROLLOUT: num_tasks groups of group_size episodes, each group on one task; this rank plays my_groups.
             # --filter-groups (DAPO's dynamic sampling) trains on informative groups only: it plays rounds of
             # num_tasks more tasks until num_tasks groups are kept or --max-filter-rounds extra rounds are spent
-            played, timing = [], Counter()
+            played, kept, timing = [], [], Counter()
             for filter_round in range(1 + args.max_filter_rounds * args.filter_groups):
                 tasks = task_rng.choice(len(train_tasks), args.num_tasks, replace=len(train_tasks) < args.num_tasks)
                 new = [Episode(train_tasks[tasks[group]], filter_round * args.num_tasks + group)
@@ -1252,15 +1278,22 @@ if __name__ == "__main__":
                 if crashed := envs.most_crashed([e.crashed for e in new]):
                     fail(crashed)
                 played += new
-                episodes, kept = informative_groups(played, len(my_groups)) if args.filter_groups else (played, 0)
-                if not args.filter_groups or all_reduce([kept])[0] >= args.num_tasks:
+                if not args.filter_groups:
                     break
+                kept = keep_informative(kept, new, args.num_tasks)
+                if len(kept) == args.num_tasks:
+                    break
+            trained_groups = kept
+            if args.filter_groups and len(kept) < args.num_tasks:
+                last_round = range(filter_round * args.num_tasks, (filter_round + 1) * args.num_tasks)
+                trained_groups = groups_at_filter_cap(kept, last_round, args.filter_cap)
+            episodes = [e for e in played if e.group in trained_groups] if args.filter_groups else played
             rollout_s = time.perf_counter() - iteration_start
 
             # ALGO LOGIC: the method, from the played episodes to the samples and advantages trained on
             prompts, responses, advantages, algo_metrics = training_batch(episodes, args)
 
-            # TRY NOT TO MODIFY: the update (none when --filter-groups kept no group at its cap)
+            # TRY NOT TO MODIFY: the update (none when --filter-groups kept no group at its cap with --filter-cap kept)
             if llm is not None and args.vllm_sleep:
                 llm.sleep(level=1)
             trained = all_reduce([len(prompts)])[0] > 0
@@ -1271,9 +1304,11 @@ if __name__ == "__main__":
             # TRY NOT TO MODIFY: what the iteration achieved and cost
             metrics.update(algo_metrics)
             metrics.update(episode_metrics(all_gather_objects([episode_stats(e) for e in played]), args.success_reward, "charts"))
-            if args.filter_groups:
-                metrics.update({"filter/rounds": filter_round + 1, "filter/informative_groups": all_reduce([kept])[0],
-                                "filter/skipped_update": float(not trained)})
+            if args.filter_groups:  # charts/* counts every episode played; charts_trained/* the ones trained on
+                metrics.update({"filter/rounds": filter_round + 1, "filter/informative_groups": len(kept),
+                                "filter/groups_trained": len(trained_groups), "filter/skipped_update": float(not trained)})
+                if trained_stats := all_gather_objects([episode_stats(e) for e in episodes]):
+                    metrics.update(episode_metrics(trained_stats, args.success_reward, "charts_trained"))
             totals = all_reduce([np.abs(advantages).sum(), len(prompts), sum(map(len, prompts)),
                                  sum(map(len, responses)), timing["gen_tokens"]])
             metrics.update({

@@ -10,8 +10,9 @@ of positive trajectories (MUI) and spread the penalty of negative ones by future
 
 Paper setting (Qwen2.5-1.5B-Instruct, 16 tasks x 8 episodes, 150 iterations):
     python proas.py --model Qwen2.5-1.5B-Instruct --env alfworld
-DAPO+ProAS (Table 1: WebShop 1.5B 66.7% SR; DAPO alone 57.3%), DAPO being grpo.py's flags:
-    python proas.py --model Qwen2.5-1.5B-Instruct --env webshop --clip-eps-high 0.28 --filter-groups --kl-coef 0
+DAPO+ProAS (Table 1: WebShop 1.5B 66.7% SR; DAPO alone 57.3%), DAPO being grpo.py's flags (KL 0.01 kept, as the
+paper's appendix and verl-agent's DAPO scripts):
+    python proas.py --model Qwen2.5-1.5B-Instruct --env webshop --clip-eps-high 0.28 --filter-groups
 (interpretation: the groups --filter-groups drops are neither trained on nor grown into the graphs.)
 Offline, any machine:
     python proas.py --model <hub id or local folder> --env cooking
@@ -30,9 +31,10 @@ Ablations (the paper's Table 2, Qwen2.5-1.5B, ALFWorld success; the paper's numb
 Other paper numbers: 41.6% (ALFWorld) / 39.6% (WebShop) of the steps of GRPO's successful trajectories
 are unreasonable (our `proas/masked_frac`); 93.1% / 76.1% of the steps of failed ones are
 non-advancing; WebShop 7B GRPO+ProAS 70.8% SR; wall-clock about equal to GRPO.
-GiGPO+ProAS (Table 1: ALFWorld 91.9% at 1.5B, 94.3% at 7B; WebShop 1.5B 66.7%), GiGPO's knobs as in gigpo.py:
+GiGPO+ProAS (Table 1: ALFWorld 91.9% at 1.5B, 94.3% at 7B; WebShop 1.5B 66.7%), GiGPO's knobs as in gigpo.py
+(webshop's preset takes GiGPO's mean normalisation, as verl-agent's script), APR by magnitude cluster:
     python proas.py --model Qwen2.5-1.5B-Instruct --env alfworld --base gigpo
-    python proas.py --model Qwen2.5-1.5B-Instruct --env webshop --base gigpo --step-norm mean
+    python proas.py --model Qwen2.5-1.5B-Instruct --env webshop --base gigpo
 Not built: Table 2b's distilled graph (graphs seeded from a 7B teacher's winning rollouts on 2,566 tasks: 83.6% /
 64.8%); here every graph starts from the env's reference actions.
 
@@ -54,10 +56,20 @@ Where the paper is silent, our choices (interpretation):
   A_{i,t}, which zeroes the malformed steps (never reasonable) and so drops the invalid penalty, and keeps the
   small positive A_{i,t} of the reasonable valid steps. The step reading sends the malformed steps (A_{i,t} < 0)
   to APR, keeping their penalty weighted by drift, and MUI-masks the valid ones as above;
-- interpretation (GiGPO+ProAS, `--base gigpo`; the paper gives no rule beyond Eq. 7): Eq. 7 shapes GiGPO's
-  A_{i,t} = A^E_i + w A^S_{i,t}, its case chosen by the sign of A_i, which is the sign of the episode-level
-  part A^E_i. So MUI zeroes A^S too on unreasonable steps of a positive trajectory, and APR weights a negative
-  trajectory's steps, a step whose A^S lifts it above 0 included (its positive value is scaled by the weight);
+- interpretation (GiGPO+ProAS, `--base gigpo`). The paper's rule, as its summary (shared/seeds 003) names it:
+  "cluster steps by advantage magnitude, then normalise the future-miss". Our reading: Eq. 7 shapes GiGPO's
+  A_{i,t} = A^E_i + w A^S_{i,t}, its case chosen by the sign of A_i (the sign of A^E_i); MUI is unchanged; APR
+  clusters the steps of a negative trajectory by |A_{i,t}| (equal to within 1e-6) and divides each step's future
+  drift D_{i,t} (the count of non-advancing, "missed", steps ahead) by the mean D over T within its own cluster.
+  Why: on GRPO every valid step of a trajectory carries the same A_i, so the weights average 1 over T and APR only
+  moves penalty between steps; GiGPO has already told some steps apart (A^S != 0 where states recur), and one
+  mean over the whole trajectory would also move penalty between advantage levels, undoing part of A^S. Within a
+  cluster the penalty of each level is conserved (sum of A~ = sum of A over the cluster's T), and the steps that
+  GiGPO could not tell apart (A^S = 0: the common case, unique states) form one cluster and get Eq. 7 exactly as
+  on GRPO. Rejected readings: clusters over the whole group or batch (D counts steps of one trajectory, so its
+  mean is a per-trajectory scale), k-means with a chosen k (a knob the paper never names), and clustering that
+  also changes MUI (a mask has nothing to normalise). `--gigpo-apr trajectory`: the mean over all of T, this
+  file's rule before 2026-12 (Eq. 7 as on GRPO);
 - WebShop (SPEC 7.1, the paper's Table 10): each task's graph holds its option clicks in every order (the
   adapter's `reference_variants`), every `search[...]` is one graph action (`project_action`), and a search or
   results page is its page kind alone (`project_state`), so other search words reach the same state class;
@@ -144,10 +156,15 @@ class Args:
     group_size: int = 8
     """episodes per task (the group of the group-relative baseline)"""
     filter_groups: bool = False
-    """DAPO's dynamic sampling: drop the groups whose episodes all won or all lost, play more tasks until
-    num_tasks groups are kept (or --max-filter-rounds is reached: then train on what was kept)"""
+    """DAPO's dynamic sampling: drop the groups whose episodes all won or all lost and play rounds of num_tasks more
+    tasks until num_tasks groups are kept over all ranks (surplus informative groups are cut, as verl's recipe;
+    verl-agent keeps them), at most --max-filter-rounds extra rounds"""
     max_filter_rounds: int = 9
     """extra rollout rounds --filter-groups may play in one iteration (verl's max_num_gen_batches 10 = 1 + 9)"""
+    filter_cap: Literal["last-round", "kept", "raise"] = "last-round"
+    """what --filter-groups trains on when its last round leaves fewer than num_tasks groups kept: those plus the
+    last round unfiltered (verl-agent's dynamic_multi_turn_loop), those alone and no update if none, or an error
+    (verl's DAPO recipe)"""
     total_iterations: int = 150
     """number of rollout + update iterations"""
     max_steps: Optional[int] = None
@@ -183,8 +200,9 @@ class Args:
     """coefficient of the k3 KL to the frozen reference model (0 disables the reference model)"""
     entropy_coef: float = 0.001
     """entropy bonus coefficient"""
-    minibatch_size: int = 256
-    """step samples per optimizer step, at most: an iteration takes ceil(samples / this) equal minibatches"""
+    minibatch_size: Optional[int] = None
+    """step samples per optimizer step, at most: an iteration takes ceil(samples / this) equal minibatches
+    (default: the env's preset, verl-agent's ppo_mini_batch_size: 256, webshop 64)"""
     micro_batch_tokens: Optional[int] = None
     """padded tokens per forward/backward (gradient accumulation; default 16384 with CUDA, 2048 on CPU: the peak memory)"""
     logprob_chunk_tokens: Optional[int] = None
@@ -247,13 +265,18 @@ class Args:
     """Eq. 7's condition: the sign of the trajectory's A_i (the paper), or of each step sample's own A_{i,t}"""
     base: Literal["grpo", "gigpo"] = "grpo"
     """the advantages shaped: grpo.py's, or gigpo.py's A^E + w * A^S (Table 1's GiGPO+ProAS)"""
+    gigpo_apr: Literal["cluster", "trajectory"] = "cluster"
+    """with --base gigpo, where APR's mean drift is taken: within each cluster of a trajectory's steps of equal
+    advantage magnitude (the paper's GiGPO+ProAS rule, as read here), or over all of the trajectory's T (Eq. 7 as
+    on GRPO)"""
     # GiGPO's knobs with --base gigpo (gigpo.py's fields and defaults)
     gamma: float = 0.95
     """discount of the step returns G_t = r_t + gamma * G_{t+1} (GiGPO Eq. 5)"""
     step_advantage_w: float = 1.0
     """weight w of the step advantage in A = A^E + w * A^S (Eq. 8); 0 reproduces grpo.py"""
-    step_norm: Literal["mean_std", "mean"] = "mean_std"
-    """anchor-group normalisation: mean_std (ALFWorld) or mean (WebShop): (G - mean) [/ (std + eps)]"""
+    step_norm: Optional[Literal["mean_std", "mean"]] = None
+    """anchor-group normalisation: mean_std or mean: (G - mean) [/ (std + eps)] (default: the env's preset,
+    verl-agent's `mode`: mean for webshop, mean_std elsewhere)"""
     episode_norm: Optional[Literal["mean_std", "mean"]] = None
     """episode-level normalisation (default: the same as --step-norm, as verl-agent's single `mode`)"""
     similarity_thresh: Optional[float] = None
@@ -304,7 +327,8 @@ def progress(desc: str, total: int, leave: bool = False, **kw) -> tqdm:
 def resolve_args(args: Args, spec) -> Args:
     """Fill per-env defaults and reject settings that cannot work."""
     preset = spec.preset
-    for name in ("max_steps", "history_length", "max_prompt_tokens", "success_reward", "invalid_penalty"):
+    for name in ("max_steps", "history_length", "max_prompt_tokens", "success_reward", "invalid_penalty",
+                 "minibatch_size"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(preset, name))
     args.eval_split = args.eval_split or preset.eval_split
@@ -318,6 +342,7 @@ def resolve_args(args: Args, spec) -> Args:
     if args.clip_eps <= 0 or args.clip_eps_high <= 0 or args.max_filter_rounds < 0:
         fail("--clip-eps and --clip-eps-high must be positive and --max-filter-rounds non-negative")
     # ALGO LOGIC: GiGPO's knobs (--base gigpo), as gigpo.py checks them
+    args.step_norm = args.step_norm or preset.step_norm
     args.episode_norm = args.episode_norm or args.step_norm
     if not 0 <= args.gamma <= 1:
         fail(f"--gamma must be in [0, 1] (got {args.gamma})")
@@ -763,15 +788,30 @@ def episode_stats(e: Episode) -> dict:
             "crashed": e.crashed, "task_type": e.task_type}
 
 
-def informative_groups(episodes: list[Episode], share: int) -> tuple[list[Episode], int]:
-    """DAPO's dynamic-sampling filter: the episodes of the first `share` groups (in play order) whose
-    episode rewards R_i are not all equal, and how many groups that is. A group that all won or all lost
-    has s_{i,t} - mean = 0 but for the invalid penalty: its outcome teaches nothing."""
+def informative_groups(episodes: list[Episode]) -> list[int]:
+    """DAPO's dynamic-sampling test: the groups (in play order) whose episode rewards R_i are not all equal.
+    A group that all won or all lost has s_{i,t} - mean = 0 but for the invalid penalty: its outcome teaches nothing."""
     outcomes = defaultdict(set)
     for e in episodes:
         outcomes[e.group].add(e.won)
-    kept = [g for g in dict.fromkeys(e.group for e in episodes) if len(outcomes[g]) > 1][:share]
-    return [e for e in episodes if e.group in kept], len(kept)
+    return [g for g, won in outcomes.items() if len(won) > 1]
+
+
+def keep_informative(kept: list[int], new: list[Episode], num_tasks: int) -> list[int]:
+    """DAPO's dynamic sampling over all ranks, one round at a time: the groups kept so far, then this round's
+    informative groups of every rank in play order, until num_tasks are kept. A group never spans ranks, and one
+    rank's surplus fills another's shortfall: a rank may train on more groups than it played in a round, or none."""
+    return kept + sorted(all_gather_objects(informative_groups(new)))[: num_tasks - len(kept)]
+
+
+def groups_at_filter_cap(kept: list[int], last_round: range, filter_cap: str) -> list[int]:
+    """What --filter-groups trains on when its last round leaves fewer than num_tasks groups kept: the kept groups
+    plus every group of the last round (verl-agent's dynamic_multi_turn_loop does not filter its last try, so it
+    never trains on an empty batch), the kept groups alone (`kept`), or nothing: verl's DAPO recipe raises."""
+    if filter_cap == "raise":
+        fail(f"--filter-groups kept {len(kept)} of {len(last_round)} groups in {last_round.stop // len(last_round)} "
+             "rounds (--filter-cap raise): raise --max-filter-rounds, or train on what it has (--filter-cap last-round)")
+    return kept + [g for g in last_round if g not in kept] if filter_cap == "last-round" else kept
 
 
 def episode_metrics(stats: list[dict], success_reward: float, prefix: str) -> dict:
@@ -872,16 +912,16 @@ def anchor_groups(anchors: list[str], groups: np.ndarray, similarity_thresh: Opt
 
 def episode_advantages(scores: np.ndarray, groups: np.ndarray, norm: str, eps: float = 1e-6) -> np.ndarray:
     """GiGPO Eq. 3 (verl-agent episode_norm_reward, over all step samples of the task group):
-    mean_std: A^E = (s - mean_g) / (std_g + eps), exactly grpo_advantages; mean: A^E = s - mean_g
+    mean_std (or unset): A^E = (s - mean_g) / (std_g + eps), exactly grpo_advantages; mean: A^E = s - mean_g
     (a group with one sample gets mean 0)."""
-    if norm == "mean_std":
+    if norm != "mean":
         return grpo_advantages(scores, groups, eps)
     means = {g: (scores[groups == g].mean() if (groups == g).sum() > 1 else 0.0) for g in np.unique(groups)}
     return scores - np.array([means[g] for g in groups.tolist()])
 
 
 def step_advantages(step_returns: np.ndarray, step_groups: np.ndarray, norm: str, eps: float = 1e-6) -> np.ndarray:
-    """GiGPO Eq. 7 (verl-agent step_norm_reward): A^S = (G~ - mean_a) / (std_a + eps) (mean_std) or
+    """GiGPO Eq. 7 (verl-agent step_norm_reward): A^S = (G~ - mean_a) / (std_a + eps) (mean_std, or unset) or
     G~ - mean_a (mean) over anchor group a, unbiased std; G~_t = G_t - penalty * invalid_t. A
     singleton anchor group is its own mean: A^S = 0."""
     advantages = np.zeros_like(step_returns, dtype=np.float64)
@@ -889,7 +929,7 @@ def step_advantages(step_returns: np.ndarray, step_groups: np.ndarray, norm: str
         members = step_groups == a
         r = step_returns[members]
         std = r.std(ddof=1) if len(r) > 1 else 1.0
-        advantages[members] = (r - r.mean()) / (std + eps) if norm == "mean_std" else r - r.mean()
+        advantages[members] = r - r.mean() if norm == "mean" else (r - r.mean()) / (std + eps)
     return advantages
 
 
@@ -942,13 +982,14 @@ def future_drift(pa: np.ndarray) -> np.ndarray:
     return np.cumsum((1 - np.asarray(pa, dtype=np.float64))[::-1])[::-1]
 
 
-def proas_shape(adv, re, pa, shaping: str = "proas", apr_set: str = "nonadvancing", eps: float = 1e-6, a_i=None):
+def proas_shape(adv, re, pa, shaping: str = "proas", apr_set: str = "nonadvancing", eps: float = 1e-6, a_i=None,
+                clusters=None):
     """Eq. 7 on the advantages A_{i,t} of one trajectory's steps, its case chosen by the sign of the
     trajectory's A_i (`a_i`, the paper) or, with a_i None, of each step's own A_{i,t} (--advantage-sign step):
     A_i > 0: A~ = Re_t * A_{i,t} (MUI);  A_i < 0, t in T: A~ = D_{i,t} / (mean_{t in T} D_{i,t} + eps) * A_{i,t}
-    (APR); else A~ = A_{i,t}. T = non-advancing steps (PA_t = 0) or all. Ablations: no-mui, no-apr, msk
-    (A_i<0: 0 on advancing steps; the rule is ours), suffix (D_{i,t} -> |tau_i| - t + 1).
-    Returns (A~, APR weight or nan per step)."""
+    (APR); else A~ = A_{i,t}. T = non-advancing steps (PA_t = 0) or all. With `clusters` (a cluster id per step:
+    GiGPO+ProAS) the mean runs over T within the step's own cluster. Ablations: no-mui, no-apr, msk (A_i<0: 0 on
+    advancing steps; the rule is ours), suffix (D_{i,t} -> |tau_i| - t + 1). Returns (A~, APR weight or nan per step)."""
     adv, re, pa = (np.asarray(x, dtype=np.float64) for x in (adv, re, pa))
     shaped, weights = adv.copy(), np.full(len(adv), np.nan)
     if shaping in ("none", "pr"):
@@ -963,11 +1004,22 @@ def proas_shape(adv, re, pa, shaping: str = "proas", apr_set: str = "nonadvancin
         return shaped, weights
     drift = np.arange(len(adv), 0, -1, dtype=np.float64) if shaping == "suffix" else future_drift(pa)
     in_t = (pa == 0) if apr_set == "nonadvancing" else np.ones(len(adv), dtype=bool)
-    if in_t.any():
-        apply = neg & in_t
-        weights[apply] = drift[apply] / (drift[in_t].mean() + eps)
+    clusters = np.zeros(len(adv), dtype=np.int64) if clusters is None else np.asarray(clusters)
+    for c in np.unique(clusters[neg & in_t]):
+        apply, norm_set = neg & in_t & (clusters == c), in_t & (clusters == c)
+        weights[apply] = drift[apply] / (drift[norm_set].mean() + eps)
         shaped[apply] = weights[apply] * adv[apply]
     return shaped, weights
+
+
+def magnitude_clusters(adv, tol: float = 1e-6) -> np.ndarray:
+    """Interpretation (GiGPO+ProAS): a trajectory's steps clustered by advantage magnitude: sorted by |A_{i,t}|, a
+    new cluster starts wherever the next magnitude exceeds the previous by more than `tol`. A cluster id per step."""
+    magnitude = np.abs(np.asarray(adv, dtype=np.float64))
+    order = np.argsort(magnitude, kind="stable")
+    ids = np.zeros(len(magnitude), dtype=np.int64)
+    ids[order] = np.concatenate([[0], np.cumsum(np.diff(magnitude[order]) > tol)]) if len(order) else []
+    return ids
 
 
 def progress_per_step(lengths: list[int], labels: list) -> np.ndarray:
@@ -990,17 +1042,20 @@ def trajectory_advantages(episode_rewards: np.ndarray, episode_groups: np.ndarra
     return a_i
 
 
-def proas_advantages(advantages, lengths: list[int], labels: list, shaping: str, apr_set: str, eps: float, a_i=None):
+def proas_advantages(advantages, lengths: list[int], labels: list, shaping: str, apr_set: str, eps: float, a_i=None,
+                     cluster: bool = False):
     """Eq. 7 per trajectory on the base method's advantages A_{i,t} (one per step sample, in flatten_turns
     order). `lengths[i]`, `labels[i]` (Re, PA arrays, or None for a task without a graph: its steps stay
-    unshaped) and `a_i[i]` (the trajectory's A_i; None: each step's sign decides) are per episode.
+    unshaped) and `a_i[i]` (the trajectory's A_i; None: each step's sign decides) are per episode; `cluster`:
+    APR normalises the drift within each magnitude cluster of the trajectory's steps (GiGPO+ProAS).
     Returns (A~, APR weight or nan per step sample)."""
     shaped, weights, start = np.array(advantages, dtype=np.float64), np.full(len(advantages), np.nan), 0
     for k, (n, lab) in enumerate(zip(lengths, labels)):
         if lab is not None:
             piece = slice(start, start + n)
-            shaped[piece], weights[piece] = proas_shape(advantages[piece], *lab, shaping, apr_set, eps,
-                                                        None if a_i is None else a_i[k])
+            clusters = magnitude_clusters(advantages[piece]) if cluster else None
+            sign = None if a_i is None else a_i[k]
+            shaped[piece], weights[piece] = proas_shape(advantages[piece], *lab, shaping, apr_set, eps, sign, clusters)
         start += n
     return shaped, weights
 
@@ -1102,13 +1157,9 @@ def proas_metrics(won: list, task_ids: list, labels: list, advantages, shaped, w
     return m
 
 
-def training_batch(spec, runner, episodes: list[Episode], graphs: dict, args: Args, iteration: int):
-    """One iteration's algorithm, from the played episodes to what update_policy receives: the prompt
-    and response ids of every step sample, its advantage A_{i,t}, and the method's own metrics.
-    ALGO LOGIC: ProAS. A task seen for the first time gets G^(0) by replaying its reference actions;
-    labels (Re, PA) of iteration k come from G^(k), only then G^(k+1) is grown; the base method's A_{i,t}
-    (grpo.py's) is shaped by Eq. 7 per trajectory (`--shaping pr`: c * PA_t joins the step score instead)."""
-    start = time.perf_counter()
+def progress_labels(spec, runner, episodes: list[Episode], graphs: dict, args: Args, iteration: int):
+    """(Re_t, PA_t) per episode from G^(k) (None: its task has no graph), then G^(k+1) grown; a task seen for the
+    first time gets G^(0) by replaying its reference actions. Returns (labels, edges added over all ranks)."""
     new_tasks = [t for t in dict.fromkeys(e.task_id for e in episodes) if t not in graphs]
     graphs.update(replay_reference(spec, runner, new_tasks, args.arg_edge_drop, args.seed) if new_tasks else {})
     labels, edges_added = label_then_grow(spec, graphs, episodes, args.edge_match, grow=not args.static_arg)
@@ -1117,33 +1168,57 @@ def training_batch(spec, runner, episodes: list[Episode], graphs: dict, args: Ar
     if args.arg_random_labels:  # a stream per (seed, iteration, rank)
         rank = dist.get_rank() if distributed() else 0
         labels = permute_labels(labels, np.random.default_rng([args.seed, iteration, rank]))
+    return labels, all_reduce([edges_added])[0]
+
+
+def base_advantages(episodes: list[Episode], scores, sample_groups, invalid, args: Args) -> np.ndarray:
+    """The A_{i,t} that Eq. 7 shapes: grpo.py's, or (--base gigpo) gigpo.py's A^E + w * A^S (GiGPO Eq. 8)."""
+    if args.base == "grpo":
+        return grpo_advantages(scores, sample_groups)
+    trajectories, env_rewards, anchors = flatten_steps(episodes, args.success_reward)
+    returns = step_scores(discounted_returns(env_rewards, trajectories, args.gamma), invalid, args.invalid_penalty)
+    step_groups = anchor_groups(anchors, sample_groups, args.similarity_thresh)
+    step_adv = step_advantages(returns, step_groups, args.step_norm)
+    return episode_advantages(scores, sample_groups, args.episode_norm) + args.step_advantage_w * step_adv
+
+
+def batch_metrics(episodes: list[Episode], labels: list, a_i, advantages, shaped, apr_weights, graphs: dict) -> dict:
+    """proas_metrics over every rank's episodes and step samples, and how often the two readings of Eq. 7's sign
+    (the trajectory's A_i, each step's own A_{i,t}) disagree on a step sample (the penalty, or A^S, flips it)."""
+    lengths = [len(e.turns) for e in episodes]
+    disagree = all_reduce([np.sum(np.sign(np.repeat(a_i, lengths)) != np.sign(advantages)), len(advantages)])
+    rows = all_gather_objects([(e.won, e.task_id, lab) for e, lab in zip(episodes, labels)])
+    won, task_ids, all_labels = zip(*rows) if rows else ((), (), ())  # none: --filter-groups kept no group
+    gathered = (np.array(all_gather_objects(list(x)), dtype=np.float64) for x in (advantages, shaped, apr_weights))
+    metrics = proas_metrics(won, task_ids, all_labels, *gathered, graphs)
+    metrics["proas/sign_disagree_frac"] = disagree[0] / max(disagree[1], 1)
+    return metrics
+
+
+def training_batch(spec, runner, episodes: list[Episode], graphs: dict, args: Args, iteration: int):
+    """One iteration's algorithm, from the played episodes to what update_policy receives: the prompt
+    and response ids of every step sample, its advantage A_{i,t}, and the method's own metrics.
+    ALGO LOGIC: ProAS. Labels (Re, PA) of iteration k come from G^(k), only then G^(k+1) is grown; the base
+    method's A_{i,t} is shaped by Eq. 7 per trajectory (`--shaping pr`: c * PA_t joins the step score instead)."""
+    start = time.perf_counter()
+    labels, edges_added = progress_labels(spec, runner, episodes, graphs, args, iteration)
     turns, sample_groups, rewards, invalid = flatten_turns(episodes, args.success_reward)
     scores = step_scores(rewards, invalid, args.invalid_penalty)
     lengths = [len(e.turns) for e in episodes]
     if args.shaping == "pr":
         scores = scores + args.progress_reward_coef * progress_per_step(lengths, labels)
-    if args.base == "gigpo":  # gigpo.py's training_batch: A = A^E + w * A^S
-        trajectories, env_rewards, anchors = flatten_steps(episodes, args.success_reward)
-        step_returns = step_scores(discounted_returns(env_rewards, trajectories, args.gamma), invalid, args.invalid_penalty)
-        step_adv = step_advantages(step_returns, anchor_groups(anchors, sample_groups, args.similarity_thresh), args.step_norm)
-        baseline = episode_advantages(scores, sample_groups, args.episode_norm) + args.step_advantage_w * step_adv
-    else:
-        baseline = grpo_advantages(scores, sample_groups)
-    a_i = trajectory_advantages(np.array([args.success_reward * float(e.won) for e in episodes]),
-                                np.array([e.group for e in episodes]), scores, sample_groups)
-    advantages, apr_weights = proas_advantages(baseline, lengths, labels, args.shaping, args.apr_set, args.apr_eps,
-                                               a_i if args.advantage_sign == "trajectory" else None)
-    # how often the two readings of Eq. 7's sign disagree on a step sample (the invalid penalty, or A^S, flips it)
-    disagree = all_reduce([np.sum(np.sign(np.repeat(a_i, lengths)) != np.sign(baseline)), len(baseline)])
-    # the labels and both advantages of every rank
-    rows = all_gather_objects([(e.won, e.task_id, lab) for e, lab in zip(episodes, labels)])
-    won, task_ids, all_labels = zip(*rows) if rows else ((), (), ())  # none: --filter-groups kept no group
-    gathered = (np.array(all_gather_objects(list(x)), dtype=np.float64) for x in (baseline, advantages, apr_weights))
-    metrics = proas_metrics(won, task_ids, all_labels, *gathered, graphs)
-    metrics["proas/graph_edges_added"] = all_reduce([edges_added])[0]
-    metrics["proas/sign_disagree_frac"] = disagree[0] / max(disagree[1], 1)
+    advantages = base_advantages(episodes, scores, sample_groups, invalid, args)  # A_{i,t}
+    episode_rewards = np.array([args.success_reward * float(e.won) for e in episodes])
+    a_i = trajectory_advantages(episode_rewards, np.array([e.group for e in episodes]), scores, sample_groups)
+    sign = a_i if args.advantage_sign == "trajectory" else None  # Eq. 7's case: A_i > 0 (MUI), A_i < 0 (APR)
+    cluster = args.base == "gigpo" and args.gigpo_apr == "cluster"  # APR's mean drift within magnitude clusters
+    # Eq. 7: A~ = Re_t A (A_i > 0); D_{i,t} / (mean_T D + eps) A (A_i < 0, t in T); A otherwise
+    shaped, apr_weights = proas_advantages(advantages, lengths, labels, args.shaping, args.apr_set, args.apr_eps, sign,
+                                           cluster)
+    metrics = batch_metrics(episodes, labels, a_i, advantages, shaped, apr_weights, graphs)
+    metrics["proas/graph_edges_added"] = edges_added
     metrics["perf/proas_s"] = time.perf_counter() - start
-    return [t.prompt_ids for t in turns], [t.response_ids for t in turns], advantages, metrics
+    return [t.prompt_ids for t in turns], [t.response_ids for t in turns], shaped, metrics
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1254,7 +1329,9 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
                   sampler: Optional[Sampler] = None):
     """Old (and reference) log-probs first, then `update_epochs` passes of minibatch PPO steps.
     Under torchrun each rank holds its own groups' samples; a minibatch is the union of one
-    slice from every rank and its loss is the token-mean over all of their response tokens.
+    slice from every rank and its loss is the token-mean over all of their response tokens: exact over the
+    minibatch, as DAPO's paper writes it (verl-agent's is the mean of its micro-batches' token-means, which
+    weighs a token by 1 / its micro-batch's tokens; the two agree when micro-batches hold equal token counts).
     Every pass (old, reference, new) scores softmax(logits / temperature), the distribution the
     rollout sampled from (verl); a step whose gradient norm is not finite is skipped and counted.
     `sampler`: what drew the samples, with the log-probs it kept (Sampler's docstring has the rule for pi_old)."""
@@ -1649,7 +1726,7 @@ if __name__ == "__main__":
             # ROLLOUT: num_tasks groups of group_size episodes, each group on one task; this rank plays my_groups.
             # --filter-groups (DAPO's dynamic sampling) trains on informative groups only: it plays rounds of
             # num_tasks more tasks until num_tasks groups are kept or --max-filter-rounds extra rounds are spent
-            played, timing = [], Counter()
+            played, kept, timing = [], [], Counter()
             for filter_round in range(1 + args.max_filter_rounds * args.filter_groups):
                 tasks = task_rng.choice(len(train_tasks), args.num_tasks, replace=len(train_tasks) < args.num_tasks)
                 new = [Episode(train_tasks[tasks[group]], filter_round * args.num_tasks + group)
@@ -1658,15 +1735,22 @@ if __name__ == "__main__":
                 if crashed := envs.most_crashed([e.crashed for e in new]):
                     fail(crashed)
                 played += new
-                episodes, kept = informative_groups(played, len(my_groups)) if args.filter_groups else (played, 0)
-                if not args.filter_groups or all_reduce([kept])[0] >= args.num_tasks:
+                if not args.filter_groups:
                     break
+                kept = keep_informative(kept, new, args.num_tasks)
+                if len(kept) == args.num_tasks:
+                    break
+            trained_groups = kept
+            if args.filter_groups and len(kept) < args.num_tasks:
+                last_round = range(filter_round * args.num_tasks, (filter_round + 1) * args.num_tasks)
+                trained_groups = groups_at_filter_cap(kept, last_round, args.filter_cap)
+            episodes = [e for e in played if e.group in trained_groups] if args.filter_groups else played
             rollout_s = time.perf_counter() - iteration_start
 
             # ALGO LOGIC: the method, from the played episodes to the samples and advantages trained on
             prompts, responses, advantages, algo_metrics = training_batch(spec, runner, episodes, graphs, args, iteration)
 
-            # TRY NOT TO MODIFY: the update (none when --filter-groups kept no group at its cap)
+            # TRY NOT TO MODIFY: the update (none when --filter-groups kept no group at its cap with --filter-cap kept)
             if llm is not None and args.vllm_sleep:
                 llm.sleep(level=1)
             trained = all_reduce([len(prompts)])[0] > 0
@@ -1677,9 +1761,11 @@ if __name__ == "__main__":
             # TRY NOT TO MODIFY: what the iteration achieved and cost
             metrics.update(algo_metrics)
             metrics.update(episode_metrics(all_gather_objects([episode_stats(e) for e in played]), args.success_reward, "charts"))
-            if args.filter_groups:
-                metrics.update({"filter/rounds": filter_round + 1, "filter/informative_groups": all_reduce([kept])[0],
-                                "filter/skipped_update": float(not trained)})
+            if args.filter_groups:  # charts/* counts every episode played; charts_trained/* the ones trained on
+                metrics.update({"filter/rounds": filter_round + 1, "filter/informative_groups": len(kept),
+                                "filter/groups_trained": len(trained_groups), "filter/skipped_update": float(not trained)})
+                if trained_stats := all_gather_objects([episode_stats(e) for e in episodes]):
+                    metrics.update(episode_metrics(trained_stats, args.success_reward, "charts_trained"))
             totals = all_reduce([np.abs(advantages).sum(), len(prompts), sum(map(len, prompts)),
                                  sum(map(len, responses)), timing["gen_tokens"]])
             metrics.update({

@@ -75,6 +75,8 @@ class Preset:
     invalid_penalty: float
     eval_split: str
     train_split: str = "train"
+    minibatch_size: int = 256  # verl-agent's ppo_mini_batch_size
+    step_norm: str = "mean_std"  # GiGPO's advantage normalisation (verl-agent's `mode`)
 
 
 # name -> (module, fixed keyword options). Modules are imported on first use only.

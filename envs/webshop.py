@@ -23,10 +23,11 @@ from pathlib import Path
 
 from envs import EnvUnavailable, Preset, Step, verl_answer, verl_projection
 
-# verl-agent's examples/*_trainer/run_webshop.sh: 15 steps, history 2, 4096-token prompts.
+# verl-agent's examples/*_trainer/run_webshop.sh: 15 steps, history 2, 4096-token prompts, minibatches of 64 step
+# samples (ppo_mini_batch_size), GiGPO's mean_norm.
 PRESET = Preset(
     max_steps=15, history_length=2, max_prompt_tokens=4096, max_new_tokens=512,
-    success_reward=10.0, invalid_penalty=0.1, eval_split="test",
+    success_reward=10.0, invalid_penalty=0.1, eval_split="test", minibatch_size=64, step_norm="mean",
 )
 
 SEED = 42  # WebAgentTextEnv's default; fixes the goal order for every worker

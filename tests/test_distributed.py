@@ -49,6 +49,31 @@ def test_two_process_update_matches_one_process(tiny_model, tmp_path):
         assert dist["metrics"][key] == pytest.approx(single[key], rel=1e-5, abs=1e-8), key
 
 
+def test_dapo_filter_fills_the_batch_over_ranks_and_updates_as_one_process(tiny_model, tmp_path):
+    """--filter-groups over two ranks: rank 0's surplus informative groups fill rank 1's shortfall (3 groups
+    trained on rank 0, 1 on rank 1: tests/dist_filter_check.py's rounds), and the update equals one process's."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import dist_filter_check as check
+    from transformers import AutoModelForCausalLM
+
+    out = torchrun("tests/dist_filter_check.py", tiny_model, str(tmp_path / "dist.pt"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    dist = torch.load(tmp_path / "dist.pt", weights_only=False)
+    assert dist["kept"] == [0, 1, 5, 6]
+    assert dist["samples"] == [3 + 3 + 3, 3]  # steps: group 0 (1 + 2), 1 (2 + 1), 5 (2 + 1); group 6 (1 + 2)
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    single = check.update(model, [e for g in [0, 1, 5, 6] for e in check.played(g)])
+    moved = 0.0
+    for name, value in model.state_dict().items():
+        assert torch.allclose(dist["weights"][name], value, atol=1e-6, rtol=1e-5), name
+        moved = max(moved, (value - before[name]).abs().max().item())
+    assert moved > 1e-4
+    for key in ["losses/policy_loss", "losses/grad_norm", "perf/optimizer_steps"]:
+        assert dist["metrics"][key] == pytest.approx(single[key], rel=1e-5, abs=1e-8), key
+
+
 def test_grpo_under_torchrun_checkpoints_once_and_resumes(tiny_model, tmp_path):
     flags = [f for f in TINY_FLAGS]
     flags[flags.index("--num-env-workers") + 1] = "1"

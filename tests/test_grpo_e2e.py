@@ -221,20 +221,48 @@ def test_bf16_asked_for_on_a_cpu_without_bf16_instructions_warns_and_the_default
     assert warning not in stopped_after_one[0].stderr  # the default (--bf16 unset) picks fp32 there
 
 
-def test_filter_groups_at_its_cap_skips_the_update_and_keeps_training(tiny_model, tmp_path):
-    """The tiny random model never wins: every group is uninformative, so --filter-groups plays its one extra
-    round, keeps nothing, skips the update (the weights stay the initial ones) and logs it, without crashing."""
-    flags = list(TINY_FLAGS)
+def filter_run(tiny_model, tmp_path, *flags: str):
+    """One iteration of TINY_FLAGS' run with --filter-groups and one extra round (one held-out game at iteration 0)."""
+    base = list(TINY_FLAGS)
     for name in ("--eval-every", "--num-eval-tasks"):
-        del flags[flags.index(name) : flags.index(name) + 2]
-    run = run_script("grpo.py", "--model", tiny_model, *flags, "--eval-every", "5", "--num-eval-tasks", "1",
-                     "--total-iterations", "1", "--filter-groups", "--max-filter-rounds", "1",
-                     "--clip-eps-high", "0.28", "--output-dir", str(tmp_path))
+        del base[base.index(name) : base.index(name) + 2]
+    return run_script("grpo.py", "--model", tiny_model, *base, "--eval-every", "5", "--num-eval-tasks", "1",
+                      "--total-iterations", "1", "--filter-groups", "--max-filter-rounds", "1", "--clip-eps-high", "0.28",
+                      "--output-dir", str(tmp_path), *flags)
+
+
+def test_filter_groups_at_its_cap_trains_on_the_last_round_unfiltered(tiny_model, tmp_path):
+    """The tiny random model never wins: every group is uninformative, so --filter-groups plays its one extra round,
+    keeps nothing, and (verl-agent's rule, the default) trains on that last round whole: 2 tasks x 2 episodes x 3
+    steps = 12 samples, where --filter-cap kept trains on none and --filter-cap raise stops."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    run = filter_run(tiny_model, tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     row = read_metrics(only_run(tmp_path))[1]
-    assert row["charts/success_rate"] == 0
+    assert row["filter/rounds"] == 2 and row["filter/informative_groups"] == 0 and row["filter/groups_trained"] == 2
+    assert row["filter/skipped_update"] == 0 and row["tokens/samples"] == 12 and "losses/policy_loss" in row
+    # charts/* counts both rounds' 8 episodes, charts_trained/* the last round's 4 (12 steps: 3 each)
+    assert row["charts/success_rate"] == 0 and row["charts_trained/episode_length"] == 3
+    saved = AutoModelForCausalLM.from_pretrained(only_run(tmp_path) / "checkpoint" / "model")
+    start = AutoModelForCausalLM.from_pretrained(tiny_model)
+    assert not all(torch.equal(p, q) for p, q in zip(saved.parameters(), start.parameters()))
+
+    stopped = filter_run(tiny_model, tmp_path / "raise", "--filter-cap", "raise")
+    assert stopped.returncode == 2 and "--filter-groups kept 0 of 2 groups in 2 rounds" in stopped.stderr
+    assert "Traceback" not in stopped.stderr
+
+
+def test_filter_groups_at_its_cap_skips_the_update_with_filter_cap_kept(tiny_model, tmp_path):
+    """--filter-cap kept (this repo's rule before 2026-12): nothing kept, so the update is skipped (the weights stay
+    the initial ones) and logged, without crashing."""
+    run = filter_run(tiny_model, tmp_path, "--filter-cap", "kept")
+    assert run.returncode == 0, run.stderr[-3000:]
+    row = read_metrics(only_run(tmp_path))[1]
+    assert row["charts/success_rate"] == 0 and "charts_trained/success_rate" not in row
     assert row["filter/rounds"] == 2 and row["filter/informative_groups"] == 0 and row["filter/skipped_update"] == 1
-    assert row["tokens/samples"] == 0 and "losses/policy_loss" not in row
+    assert row["filter/groups_trained"] == 0 and row["tokens/samples"] == 0 and "losses/policy_loss" not in row
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -220,10 +220,19 @@ def test_filter_groups_keeps_the_first_groups_whose_rewards_differ():
         hand_episode("task-d", 3, True, [True]), hand_episode("task-d", 3, False, [True]),  # mixed: kept
         hand_episode("task-e", 4, False, [True]), hand_episode("task-e", 4, True, [True]),  # mixed, over the share
     ]
-    kept, n = grpo.informative_groups(episodes, share=2)
-    assert n == 2 and kept == episodes[2:4] + episodes[6:8]
-    kept, n = grpo.informative_groups(episodes[:2] + episodes[4:6], share=2)  # nothing informative
-    assert n == 0 and kept == []
+    assert grpo.informative_groups(episodes) == [1, 3, 4]
+    assert grpo.informative_groups(episodes[:2] + episodes[4:6]) == []  # nothing informative
+    # one process: the groups kept so far, then this round's informative ones in play order, cut at num_tasks
+    assert grpo.keep_informative([], episodes, num_tasks=2) == [1, 3]
+    assert grpo.keep_informative([7], episodes, num_tasks=3) == [7, 1, 3]
+    assert grpo.keep_informative([7], episodes, num_tasks=9) == [7, 1, 3, 4]
+    assert grpo.keep_informative([], episodes[:2], num_tasks=2) == []
+    # at the cap, short of num_tasks: + the whole last round (verl-agent), the kept ones alone, or an error
+    assert grpo.groups_at_filter_cap([1], range(4, 8), "last-round") == [1, 4, 5, 6, 7]
+    assert grpo.groups_at_filter_cap([1, 5], range(4, 8), "last-round") == [1, 5, 4, 6, 7]
+    assert grpo.groups_at_filter_cap([1], range(4, 8), "kept") == [1]
+    with pytest.raises(SystemExit):
+        grpo.groups_at_filter_cap([1], range(4, 8), "raise")
     # what main then trains on: grpo.py's batch of the kept groups, and no sample at all when none is kept
     assert len(grpo.training_batch(episodes[2:4], grpo.Args(success_reward=10.0, invalid_penalty=0.1))[0]) == 2
     assert grpo.training_batch([], grpo.Args(success_reward=10.0, invalid_penalty=0.1))[0] == []

@@ -299,14 +299,16 @@ def batch(cooking_spec):
             play_steps(cooking_spec, "train-easy-0", [("inventory", True), ("dance", False), (EASY[2], True)], 1)]
 
 
-def shaped_by_hand(adv: list[float], labels: list[int], shaping: str, sign: float = None) -> list[float]:
+def shaped_by_hand(adv: list[float], labels: list[int], shaping: str, sign: float = None, clusters: bool = False) -> list[float]:
     """Eq. 7 on one trajectory (Re = PA here), its case chosen by `sign` (the trajectory's A_i) or, when None,
     by each step's A: > 0 -> Re A (not for none); < 0 on a non-advancing step -> D_t / mean_T D * A (proas)
-    or A (msk), with D_t the non-advancing steps from t on; < 0 on an advancing step: A, or 0 (msk)."""
+    or A (msk), with D_t the non-advancing steps from t on; < 0 on an advancing step: A, or 0 (msk).
+    `clusters` (GiGPO+ProAS): mean_T D over the steps of T whose |A| equals this step's (to 1e-6)."""
     drift = [sum(1 - pa for pa in labels[t:]) for t in range(len(labels))]
-    mean_t = statistics.mean([d for d, pa in zip(drift, labels) if pa == 0] or [0])
     out = []
     for a, pa, d in zip(adv, labels, drift):
+        alike = [d2 for a2, pa2, d2 in zip(adv, labels, drift) if pa2 == 0 and (not clusters or abs(abs(a2) - abs(a)) <= 1e-6)]
+        mean_t = statistics.mean(alike or [0])
         case = a if sign is None else sign
         if shaping in ("none", "pr"):
             out.append(a)
@@ -367,21 +369,43 @@ def test_all_failed_group_the_trajectory_sign_drops_the_invalid_penalty_the_step
 @pytest.mark.parametrize("shaping", ["proas", "none"])
 def test_base_gigpo_shapes_gigpos_advantages_by_the_episode_sign(cooking_spec, cooking_runner, batch, shaping):
     """--base gigpo: the advantages shaped are gigpo.py's A^E + w * A^S of the same episodes; Eq. 7's case comes
-    from the trajectory's A_i, whose sign is the episode-level part's: + for the won, - for the lost here."""
+    from the trajectory's A_i, whose sign is the episode-level part's: + for the won, - for the lost here. APR's
+    mean drift is taken within each |A| cluster (the default) or over the trajectory's T (--gigpo-apr trajectory):
+    on SWAP's lost prefix they differ (steps with A^S != 0 stand apart from the A^E-only ones)."""
     import gigpo
 
     gigpo_adv = gigpo.training_batch(batch, gigpo.Args(success_reward=10.0, invalid_penalty=0.1))[2]
-    args = proas.Args(success_reward=10.0, invalid_penalty=0.1, shaping=shaping, base="gigpo")
-    advantages = proas.training_batch(cooking_spec, cooking_runner, batch, {}, args, 1)[2]
-    expected, start = [], 0
-    for e, lab in zip(batch, BATCH_LABELS):
-        expected += shaped_by_hand(gigpo_adv[start : start + len(lab)].tolist(), lab, shaping, 1.0 if e.won else -1.0)
-        start += len(lab)
-    assert advantages.tolist() == pytest.approx(expected, rel=1e-9, abs=1e-12)
-    assert (shaping == "none") == np.allclose(advantages, gigpo_adv)
+    shaped = {}
+    for rule in ("cluster", "trajectory"):
+        args = proas.Args(success_reward=10.0, invalid_penalty=0.1, shaping=shaping, base="gigpo", gigpo_apr=rule)
+        shaped[rule] = proas.training_batch(cooking_spec, cooking_runner, batch, {}, args, 1)[2]
+        expected, start = [], 0
+        for e, lab in zip(batch, BATCH_LABELS):
+            expected += shaped_by_hand(gigpo_adv[start : start + len(lab)].tolist(), lab, shaping, 1.0 if e.won else -1.0,
+                                       clusters=rule == "cluster")
+            start += len(lab)
+        assert shaped[rule].tolist() == pytest.approx(expected, rel=1e-9, abs=1e-12), rule
+        assert (shaping == "none") == np.allclose(shaped[rule], gigpo_adv)
+    assert (shaping == "none") == np.allclose(shaped["cluster"], shaped["trajectory"])
     grpo_based = proas.training_batch(cooking_spec, cooking_runner, batch, {}, proas.Args(success_reward=10.0,
                                       invalid_penalty=0.1, shaping=shaping), 1)[2]
-    assert not np.allclose(advantages, grpo_based)  # the anchor groups' A^S moved something
+    assert not np.allclose(shaped["cluster"], grpo_based)  # the anchor groups' A^S moved something
+
+
+def test_gigpo_apr_cluster_normalises_the_drift_within_each_magnitude_cluster():
+    """A lost trajectory (A_i < 0) with GiGPO-like advantages A = [-2, -1, -1, -2, -1, -0.5], PA = [0, 0, 1, 0, 0, 1].
+    D_t (non-advancing steps from t on) = [4, 3, 2, 2, 1, 0]; T = {0, 1, 3, 4}.
+    Over T (--gigpo-apr trajectory): mean D = 10/4 = 2.5, weights 1.6, 1.2, 0.8, 0.4.
+    By cluster: |A| = 2 holds steps 0, 3 (mean D 3: weights 4/3, 2/3); |A| = 1 holds 1, 4 in T (mean D 2: 1.5, 0.5).
+    The cluster rule keeps each level's penalty: -8/3 - 4/3 = -2 - 2 and -1.5 - 0.5 = -1 - 1."""
+    adv, pa, a_i = np.array([-2.0, -1.0, -1.0, -2.0, -1.0, -0.5]), np.array([0, 0, 1, 0, 0, 1.0]), np.array([-1.0])
+    by_cluster, weights = proas.proas_advantages(adv, [6], [(pa, pa)], "proas", "nonadvancing", 1e-6, a_i, cluster=True)
+    assert by_cluster.tolist() == pytest.approx([-8 / 3, -1.5, -1.0, -4 / 3, -0.5, -0.5], rel=1e-5)
+    assert weights[[0, 1, 3, 4]].tolist() == pytest.approx([4 / 3, 1.5, 2 / 3, 0.5], rel=1e-5)
+    flat = proas.proas_advantages(adv, [6], [(pa, pa)], "proas", "nonadvancing", 1e-6, a_i, cluster=False)[0]
+    assert flat.tolist() == pytest.approx([-3.2, -1.2, -1.0, -1.6, -0.4, -0.5], rel=1e-5)
+    # magnitudes within 1e-6 share a cluster (GiGPO's eps turns float rounding of equal returns into ~1e-8 gaps)
+    assert proas.magnitude_clusters([-1.0, 1.0 + 5e-7, -2.0, 0.5, 1.0 + 2e-6]).tolist() == [1, 1, 3, 0, 2]
 
 
 # ---- the method's flags, each through training_batch as the main loop calls it (issue 42) ----------------------
@@ -525,7 +549,7 @@ def test_base_gigpo_takes_gigpos_knobs(cooking_spec, cooking_runner, batch, knob
     advantages = proas.training_batch(cooking_spec, cooking_runner, batch, {}, args, 1)[2]
     expected, start = [], 0
     for e, lab in zip(batch, BATCH_LABELS):
-        expected += shaped_by_hand(base[start : start + len(lab)], lab, "proas", 1.0 if e.won else -1.0)
+        expected += shaped_by_hand(base[start : start + len(lab)], lab, "proas", 1.0 if e.won else -1.0, clusters=True)
         start += len(lab)
     assert advantages.tolist() == pytest.approx(expected, rel=1e-9, abs=1e-12)
     flip = {"gamma": 0.95, "step_advantage_w": 1.0, "mean": "mean_std", "mean_std": "mean"}
@@ -554,7 +578,7 @@ def test_base_gigpo_takes_the_similarity_threshold(cooking_spec, cooking_runner,
     advantages = proas.training_batch(cooking_spec, cooking_runner, batch, {}, args, 1)[2]
     expected, start = [], 0
     for e, lab in zip(batch, BATCH_LABELS):
-        expected += shaped_by_hand(base[start : start + len(lab)], lab, "proas", 1.0 if e.won else -1.0)
+        expected += shaped_by_hand(base[start : start + len(lab)], lab, "proas", 1.0 if e.won else -1.0, clusters=True)
         start += len(lab)
     assert advantages.tolist() == pytest.approx(expected, rel=1e-9, abs=1e-12)
 
