@@ -8,7 +8,7 @@ discounted return is normalised within its anchor group; A = A^E + w * A^S (Eq. 
 
 Paper setting (verl-agent's example scripts: Qwen2.5-1.5B-Instruct, 16 tasks x 8 episodes, 150 iterations):
     python gigpo.py --model Qwen2.5-1.5B-Instruct --env alfworld                     # run_alfworld.sh: mean_std_norm
-    python gigpo.py --model Qwen2.5-1.5B-Instruct --env webshop --step-norm mean     # run_webshop.sh: mean_norm
+    python gigpo.py --model Qwen2.5-1.5B-Instruct --env webshop                      # run_webshop.sh: mean_norm
     python gigpo.py --model Qwen2.5-7B-Instruct --env search --similarity-thresh 0.9  # run_search.sh (its batch
                                                                                       # sizes: see verl_agent.md)
 Offline, any machine (TextWorld cooking games generated locally, no download):
@@ -16,7 +16,7 @@ Offline, any machine (TextWorld cooking games generated locally, no download):
 Knobs: `--gamma` (0.95 everywhere in verl-agent); `--step-advantage-w` (1.0; 0 drops the step level
 and gives exactly grpo.py's advantages: the GRPO row the papers compare with); `--step-norm
 mean_std|mean` (verl-agent's `algorithm.gigpo.mode`, which normalises the episode level too;
-`--episode-norm` splits them); `--similarity-thresh` (verl-agent's `enable_similarity`: an anchor
+`--episode-norm` splits them; default: the env preset's, mean on webshop as run_webshop.sh, else mean_std); `--similarity-thresh` (verl-agent's `enable_similarity`: an anchor
 joins a group whose first member's text has difflib ratio >= thresh; off = identical text only).
 
 Reported by verl-agent (their README, Qwen2.5-1.5B-Instruct; not reproduced here): GiGPO ALFWorld
@@ -818,13 +818,16 @@ def anchor_groups(anchors: list[str], groups: np.ndarray, similarity_thresh: Opt
     has difflib ratio >= thresh (verl-agent's enable_similarity). Returns a step-group id per sample."""
     def similar(obs: str, rep: str) -> bool:  # the two quick ratios bound ratio() from above: same answer, faster
         m = SequenceMatcher(None, obs, rep)
-        return m.real_quick_ratio() >= similarity_thresh and m.quick_ratio() >= similarity_thresh and m.ratio() >= similarity_thresh
+        return (m.real_quick_ratio() >= similarity_thresh and m.quick_ratio() >= similarity_thresh
+                and m.ratio() >= similarity_thresh)
 
     ids = np.zeros(len(anchors), dtype=np.int64)
     seen, reps = {}, defaultdict(list)  # (task group, text) -> id; task group -> [(representative, id)]
     for i, (g, obs) in enumerate(zip(groups.tolist(), anchors)):
         if (g, obs) not in seen:  # identical texts always land together, so each text is placed once
-            found = next((a for rep, a in reps[g] if similar(obs, rep)), None) if similarity_thresh is not None else None
+            found = None
+            if similarity_thresh is not None:
+                found = next((a for rep, a in reps[g] if similar(obs, rep)), None)
             if found is None:
                 found = len(seen)
                 reps[g].append((obs, found))

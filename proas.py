@@ -895,13 +895,16 @@ def anchor_groups(anchors: list[str], groups: np.ndarray, similarity_thresh: Opt
     has difflib ratio >= thresh (verl-agent's enable_similarity). Returns a step-group id per sample."""
     def similar(obs: str, rep: str) -> bool:  # the two quick ratios bound ratio() from above: same answer, faster
         m = SequenceMatcher(None, obs, rep)
-        return m.real_quick_ratio() >= similarity_thresh and m.quick_ratio() >= similarity_thresh and m.ratio() >= similarity_thresh
+        return (m.real_quick_ratio() >= similarity_thresh and m.quick_ratio() >= similarity_thresh
+                and m.ratio() >= similarity_thresh)
 
     ids = np.zeros(len(anchors), dtype=np.int64)
     seen, reps = {}, defaultdict(list)  # (task group, text) -> id; task group -> [(representative, id)]
     for i, (g, obs) in enumerate(zip(groups.tolist(), anchors)):
         if (g, obs) not in seen:  # identical texts always land together, so each text is placed once
-            found = next((a for rep, a in reps[g] if similar(obs, rep)), None) if similarity_thresh is not None else None
+            found = None
+            if similarity_thresh is not None:
+                found = next((a for rep, a in reps[g] if similar(obs, rep)), None)
             if found is None:
                 found = len(seen)
                 reps[g].append((obs, found))
@@ -941,7 +944,8 @@ def purify(states: list, actions: list[str], valid: list[bool]) -> list[tuple]:
     """Purification: the transitions (s_t, a_t, s_{t+1}) of a trajectory (states s_0..s_T) without
     invalid steps and self-loops (s_{t+1} == s_t)."""
     norm = lambda a: " ".join(a.lower().split())  # noqa: E731
-    return [(states[t], norm(a), states[t + 1]) for t, (a, ok) in enumerate(zip(actions, valid)) if ok and states[t + 1] != states[t]]
+    return [(states[t], norm(a), states[t + 1]) for t, (a, ok) in enumerate(zip(actions, valid))
+            if ok and states[t + 1] != states[t]]
 
 
 def grow_graph(graph: dict, transitions: list[tuple]) -> int:
@@ -989,7 +993,8 @@ def proas_shape(adv, re, pa, shaping: str = "proas", apr_set: str = "nonadvancin
     A_i > 0: A~ = Re_t * A_{i,t} (MUI);  A_i < 0, t in T: A~ = D_{i,t} / (mean_{t in T} D_{i,t} + eps) * A_{i,t}
     (APR); else A~ = A_{i,t}. T = non-advancing steps (PA_t = 0) or all. With `clusters` (a cluster id per step:
     GiGPO+ProAS) the mean runs over T within the step's own cluster. Ablations: no-mui, no-apr, msk (A_i<0: 0 on
-    advancing steps; the rule is ours), suffix (D_{i,t} -> |tau_i| - t + 1). Returns (A~, APR weight or nan per step)."""
+    advancing steps; the rule is ours), suffix (D_{i,t} -> |tau_i| - t + 1).
+    Returns (A~, APR weight or nan per step)."""
     adv, re, pa = (np.asarray(x, dtype=np.float64) for x in (adv, re, pa))
     shaped, weights = adv.copy(), np.full(len(adv), np.nan)
     if shaping in ("none", "pr"):
@@ -1102,10 +1107,12 @@ def episode_states(spec, graph: dict, episode) -> list:
 def label_then_grow(spec, graphs: dict, episodes: list, edge_match: str, grow: bool = True):
     """Labels (Re, PA) of iteration k from G^(k), per episode (None: no graph or no step); only then
     G^(k+1) = G^(k) U the purified transitions of the won episodes (strict union). Returns (labels, new edges)."""
-    states = [episode_states(spec, graphs[e.task_id], e) if graphs.get(e.task_id) and e.turns else None for e in episodes]
+    states = [episode_states(spec, graphs[e.task_id], e) if graphs.get(e.task_id) and e.turns else None
+              for e in episodes]
     actions = [[spec.project_action(t.action) for t in e.turns] for e in episodes]
     valid = [[t.valid for t in e.turns] for e in episodes]
-    labels = [None if st is None else step_labels(graphs[e.task_id], st, a, v, edge_match) for e, st, a, v in zip(episodes, states, actions, valid)]
+    labels = [None if st is None else step_labels(graphs[e.task_id], st, a, v, edge_match)
+              for e, st, a, v in zip(episodes, states, actions, valid)]
     added = sum(grow_graph(graphs[e.task_id], purify(st, a, v)) for e, st, a, v in zip(episodes, states, actions, valid)
                 if grow and e.won and not e.crashed and st is not None)
     return labels, added
@@ -1153,7 +1160,8 @@ def proas_metrics(won: list, task_ids: list, labels: list, advantages, shaped, w
         m["proas/nonadvancing_frac_failed"] = float(1 - lost_pa.mean())
     if np.isfinite(weights).any():
         w = weights[np.isfinite(weights)]
-        m.update({"proas/apr_weight_mean": float(w.mean()), "proas/apr_weight_min": float(w.min()), "proas/apr_weight_max": float(w.max())})
+        m.update({"proas/apr_weight_mean": float(w.mean()), "proas/apr_weight_min": float(w.min()),
+                  "proas/apr_weight_max": float(w.max())})
     return m
 
 
@@ -1748,7 +1756,8 @@ if __name__ == "__main__":
             rollout_s = time.perf_counter() - iteration_start
 
             # ALGO LOGIC: the method, from the played episodes to the samples and advantages trained on
-            prompts, responses, advantages, algo_metrics = training_batch(spec, runner, episodes, graphs, args, iteration)
+            prompts, responses, advantages, algo_metrics = training_batch(spec, runner, episodes, graphs, args,
+                                                                          iteration)
 
             # TRY NOT TO MODIFY: the update (none when --filter-groups kept no group at its cap with --filter-cap kept)
             if llm is not None and args.vllm_sleep:

@@ -310,3 +310,21 @@ def test_bad_gigpo_flags_are_one_clear_line(tiny_model, flags, message):
 
     out = run_script("gigpo.py", "--model", tiny_model, *flags, timeout=120)
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_webshop_preset_is_verl_agents_run_webshop_and_flags_override_it():
+    """verl-agent's run_webshop.sh trains on minibatches of 64 step samples with GiGPO's mean_norm (both levels);
+    its ALFWorld script (and the cooking preset) keep 256 and mean_std. Flags typed by the user win."""
+    import envs
+
+    webshop, cooking = envs.load("webshop"), envs.load("cooking")
+    args = gigpo.resolve_args(gigpo.Args(), webshop)
+    assert (args.minibatch_size, args.step_norm, args.episode_norm) == (64, "mean", "mean")
+    args = gigpo.resolve_args(gigpo.Args(), cooking)
+    assert (args.minibatch_size, args.step_norm, args.episode_norm) == (256, "mean_std", "mean_std")
+    args = gigpo.resolve_args(gigpo.Args(minibatch_size=8, step_norm="mean_std"), webshop)
+    assert (args.minibatch_size, args.step_norm, args.episode_norm) == (8, "mean_std", "mean_std")
+    import proas  # --base gigpo takes the same knobs the same way
+
+    args = proas.resolve_args(proas.Args(base="gigpo"), webshop)
+    assert (args.minibatch_size, args.step_norm, args.episode_norm) == (64, "mean", "mean")
