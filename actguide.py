@@ -274,7 +274,8 @@ def resolve_args(args: Args, spec) -> Args:
     args.clip_eps_high = args.clip_eps if args.clip_eps_high is None else args.clip_eps_high
     if args.clip_eps <= 0 or args.clip_eps_high <= 0 or args.max_filter_rounds < 0:
         fail("--clip-eps and --clip-eps-high must be positive and --max-filter-rounds non-negative")
-    if args.probe_episodes < 1 or args.max_probe_rounds < 0 or (args.fixed_k is not None and args.fixed_k < 0):  # ALGO LOGIC
+    # ALGO LOGIC
+    if args.probe_episodes < 1 or args.max_probe_rounds < 0 or (args.fixed_k is not None and args.fixed_k < 0):
         fail("--probe-episodes must be positive, --max-probe-rounds and --fixed-k not negative")
     return args
 
@@ -462,12 +463,15 @@ def build_prompt(spec, tokenizer, args: Args, episode, obs, history: list) -> li
     # window) is kept in `episode.unguided_prompts`, the prompt the training forward re-encodes
     for shown in range(min(args.history_length, len(history)), -1, -1):
         window = history[len(history) - shown :] if shown else []
-        text = spec.prompt(render_guidance(episode.task, episode.hint), obs.observation, obs.admissible, window, len(history), shown)
+        text = spec.prompt(render_guidance(episode.task, episode.hint), obs.observation, obs.admissible, window,
+                           len(history), shown)
         ids = encode_prompt(tokenizer, text, args.response_prefix)
         if len(ids) <= args.max_prompt_tokens:
             break
     ids = ids[-args.max_prompt_tokens :]
-    unguided = encode_prompt(tokenizer, spec.prompt(episode.task, obs.observation, obs.admissible, window, len(history), shown), args.response_prefix) if episode.hint else ids
+    unguided = encode_prompt(tokenizer,
+                             spec.prompt(episode.task, obs.observation, obs.admissible, window, len(history), shown),
+                             args.response_prefix) if episode.hint else ids
     episode.unguided_prompts.append(unguided[-args.max_prompt_tokens :])
     return ids
 
@@ -875,7 +879,8 @@ def replace_groups(episodes: list[Episode], guided: list[Episode]) -> list[Episo
 
 def guide_groups(spec, runner, tokenizer, generate, args: Args, episodes: list[Episode], timing: dict):
     """Hard groups (every group with --guidance always, whose episodes come unplayed) get k (search or --fixed-k)
-    and are rolled again guided at g_k, replacing their unguided episodes. Returns the episodes to train on and metrics."""
+    and are rolled again guided at g_k, replacing their unguided episodes. Returns the episodes to train on and
+    metrics."""
     tasks = {e.group: e.task_id for e in episodes}
     hard = hard_groups(episodes)  # --guidance always: no episode has played, so none has won: every group
     plans = dict(zip(hard, runner.reference_actions([tasks[g] for g in hard])))
@@ -901,7 +906,8 @@ def guide_groups(spec, runner, tokenizer, generate, args: Args, episodes: list[E
         for key, value in rollout(spec, runner, tokenizer, generate, args, guided, args.temperature, "guided").items():
             timing[key] += value
     reroll_tokens = timing["gen_tokens"] - unguided_tokens - probe_tokens
-    n_groups, n_hard, n_probes, unguided_tokens, probe_tokens, reroll_tokens, k_sum, k_frac_sum, guided_won = all_reduce([
+    (n_groups, n_hard, n_probes, unguided_tokens, probe_tokens, reroll_tokens, k_sum, k_frac_sum,
+     guided_won) = all_reduce([
         len(tasks), len(hard), len(probes), unguided_tokens, probe_tokens, reroll_tokens, sum(ks),
         sum(k / max(len(plans[g]), 1) for g, k in zip(hard, ks)), sum(e.won for e in guided)])  # over all ranks
     metrics = {
@@ -1024,7 +1030,8 @@ def recompute_logprobs(model, prompts, responses, args: Args, pad_id: int, autoc
     return out
 
 
-def update_policy(model, ref_model, optimizer, prompts, responses, advantages, args: Args, pad_id: int, autocast, generator, unguided_prompts=None,
+def update_policy(model, ref_model, optimizer, prompts, responses, advantages, args: Args, pad_id: int, autocast,
+                  generator, unguided_prompts=None,
                   sampler: Optional[Sampler] = None):
     """Old (and reference) log-probs first, then `update_epochs` passes of minibatch PPO steps.
     Under torchrun each rank holds its own groups' samples; a minibatch is the union of one
@@ -1064,7 +1071,8 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
     old_logps.update(zip(rest, recompute_logprobs(model, [prompts[i] for i in rest], [responses[i] for i in rest], args, pad_id, autocast)))
     prompts = unguided_prompts if unguided_prompts is not None else prompts
     ref_logps = recompute_logprobs(ref_model, prompts, responses, args, pad_id, autocast) if ref_model is not None else None
-    unguided_logps = recompute_logprobs(model, [prompts[i] for i in guided], [responses[i] for i in guided], args, pad_id, autocast)
+    unguided_logps = recompute_logprobs(model, [prompts[i] for i in guided], [responses[i] for i in guided], args,
+                                        pad_id, autocast)
     logprob_s = time.perf_counter() - t0
 
     model.train()
@@ -1141,9 +1149,11 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
     diff_max = all_reduce([max([float(d.max()) for d in diffs if len(d)], default=0.0)], "max")[0]
     if diff_tokens:
         metrics["rollout/logprob_abs_diff_mean"], metrics["rollout/logprob_abs_diff_max"] = diff_sum / diff_tokens, diff_max
-    if unguided_prompts is not None:  # how far g_k moves the policy: token-mean |log pi(y|x_unguided) - log pi(y|x_guided)|
+    # how far g_k moves the policy: token-mean |log pi(y|x_unguided) - log pi(y|x_guided)|
+    if unguided_prompts is not None:
         gaps = [(u - old_logps[i]).abs() for u, i in zip(unguided_logps, guided)]
-        gap_sum, gap_tokens, n_guided, n = all_reduce([sum(float(g.sum()) for g in gaps), sum(len(g) for g in gaps), len(guided), len(prompts)])
+        gap_sum, gap_tokens, n_guided, n = all_reduce([sum(float(g.sum()) for g in gaps), sum(len(g) for g in gaps),
+                                                       len(guided), len(prompts)])
         if n_guided:
             metrics["actguide/guidance_log_ratio_abs"] = gap_sum / max(gap_tokens, 1)
             metrics["actguide/guided_sample_frac"] = n_guided / max(n, 1)
@@ -1444,15 +1454,18 @@ if __name__ == "__main__":
                 new = [Episode(train_tasks[tasks[group]], filter_round * args.num_tasks + group)
                        for group in my_groups for _ in range(args.group_size)]
                 # ALGO LOGIC: the unguided rollout (none with --guidance always), then the hard groups re-rolled under
-                # guidance (before the filter: a guided group that now wins sometimes is informative); metrics of the last round
+                # guidance (before the filter: a guided group that now wins sometimes is informative);
+                # metrics of the last round
                 if args.guidance != "always":
                     timing.update(rollout(spec, runner, tokenizer, generate, args, new, args.temperature, "rollout"))
                 won, num_played = all_reduce([sum(e.won for e in new), len(new)])
-                guide_metrics = {"actguide/unguided_success_rate": won / max(num_played, 1)} if args.guidance != "always" else {}
+                guide_metrics = ({"actguide/unguided_success_rate": won / max(num_played, 1)}
+                                 if args.guidance != "always" else {})
                 if args.guidance != "off":
                     new, more = guide_groups(spec, runner, tokenizer, generate, args, new, timing)
                     guide_metrics.update(more)
-                    for key in ("probe_episodes", "gen_tokens_probes", "gen_tokens_reroll"):  # run totals (survive --resume)
+                    # run totals (survive --resume)
+                    for key in ("probe_episodes", "gen_tokens_probes", "gen_tokens_reroll"):
                         method_state[key] = method_state.get(key, 0.0) + more[f"actguide/{key}"]
                         guide_metrics[f"actguide/{key}_total"] = method_state[key]
                 if crashed := envs.most_crashed([e.crashed for e in new]):
@@ -1477,9 +1490,11 @@ if __name__ == "__main__":
             # the update (ALGO LOGIC: update_policy trains each guided sample on its prompt without g_k)
             if llm is not None and args.vllm_sleep:
                 llm.sleep(level=1)
-            trained = all_reduce([len(prompts)])[0] > 0  # none: --filter-groups kept no group at its cap (--filter-cap kept)
+            # none: --filter-groups kept no group at its cap (--filter-cap kept)
+            trained = all_reduce([len(prompts)])[0] > 0
             metrics = update_policy(model, ref_model, optimizer, prompts, responses, advantages, args,
-                                    tokenizer.pad_token_id, autocast, update_generator, unguided_prompts, sampler=generate) if trained else {}
+                                    tokenizer.pad_token_id, autocast, update_generator, unguided_prompts,
+                                    sampler=generate) if trained else {}
             generate.sync(model)
 
             # TRY NOT TO MODIFY: what the iteration achieved and cost

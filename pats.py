@@ -202,7 +202,8 @@ class Args:
 
     # Algorithm specific arguments (ALGO LOGIC: PATS)
     reviewer: Literal["policy", "rules"] = "policy"
-    """who edits the scaffold bank: `policy` (the policy model writes JSON-lines edits: the paper) or `rules` (deterministic)"""
+    """who edits the scaffold bank: `policy` (the policy model writes JSON-lines edits: the paper) or `rules`
+    (deterministic)"""
     no_adapt: bool = False
     """comparator: the type's whole bank always in context, no competence-sized amount, no redundancy removal"""
     no_cards: bool = False
@@ -681,7 +682,8 @@ class Episode:
     scaffold_fit: list = field(default_factory=list)  # ALGO LOGIC: per turn, (scaffold tokens, lines dropped?)
 
 
-def rollout(spec, runner, tokenizer, generate, args: Args, episodes: list, temperature: float, desc: str, scaffold=None):
+def rollout(spec, runner, tokenizer, generate, args: Args, episodes: list, temperature: float, desc: str,
+            scaffold=None):
     """Play every episode until done or max_steps, all active ones batched per turn; fills them in.
     `scaffold(episode) -> (text, entry ids)` is called once per group after reset (PATS)."""
     timing = {"gen_s": 0.0, "env_s": 0.0, "gen_tokens": 0}
@@ -894,7 +896,8 @@ def evidence_card(group: list, success_reward: float, iteration: int, max_steps:
         "success": float(np.mean([e.won for e in group])), "won": bool(best.won),
         "all_failed": not any(e.won for e in group), "all_passed": all(e.won for e in group),
         "invalid_rate": float(np.mean([not t.valid for t in turns])) if turns else 0.0,
-        "best_steps": [[t.observation[:120], t.action] for t in best.turns if t.valid and t.next_state != t.state][:max_steps],
+        "best_steps": [[t.observation[:120], t.action]
+                       for t in best.turns if t.valid and t.next_state != t.state][:max_steps],
         "worst_steps": [[t.observation[:120], t.action, "no effect" if t.valid else "malformed"]
                         for t in worst.turns if not t.valid or t.next_state == t.state][:max_steps],
         "won_actions": sorted({t.action for e in group if e.won for t in e.turns if t.valid}),
@@ -929,21 +932,29 @@ def rules_review(cards: list, entries: list, mode: str, budget: dict) -> list:
     wins = sorted((c for c in cards if c["won"] and c["best_steps"]), key=lambda c: len(c["best_steps"]))
     edits = []
     if budget["general"] and wins:
-        edits.append(dict(op="add", kind="skill", general=True, when=f"any {wins[0]['task_type']} task", sources=[c["task_id"] for c in wins[:2]],
+        edits.append(dict(op="add", kind="skill", general=True, when=f"any {wins[0]['task_type']} task",
+                          sources=[c["task_id"] for c in wins[:2]],
                           plan=" -> ".join(dict.fromkeys(a.split()[0] for _, a in wins[0]["best_steps"] if a.split()))))
     elif budget["general"] and cards and np.mean([c["invalid_rate"] for c in cards]) >= 0.5:
-        edits.append(dict(op="add", kind="skill", general=True, when="every step", sources=[c["task_id"] for c in cards[:2]],
-                          constraint="reason inside <think> </think>, then write exactly one admissible action inside <action> </action>"))
+        edits.append(dict(op="add", kind="skill", general=True, when="every step",
+                          sources=[c["task_id"] for c in cards[:2]],
+                          constraint="reason inside <think> </think>, then write exactly one admissible action "
+                                     "inside <action> </action>"))
     for c in wins[: budget["skill"] - len(edits)]:
-        edits.append(dict(op="add", kind="skill", general=False, when=c["task"][:100], plan=" -> ".join(a for _, a in c["best_steps"]), sources=[c["task_id"]]))
+        edits.append(dict(op="add", kind="skill", general=False, when=c["task"][:100],
+                          plan=" -> ".join(a for _, a in c["best_steps"]), sources=[c["task_id"]]))
     failed = [c for c in cards if not c["all_passed"]]
     counts = Counter((a if why == "no effect" else "", why) for c in failed for _, a, why in c["worst_steps"])
     if budget["mistake"] and counts:
         (action, why), n = counts.most_common(1)[0]
-        pitfall = f"'{action}' changed nothing ({n} times in failed attempts)" if action else "a reply without <think> </think> and <action> </action> tags is no action"
-        edits.append(dict(op="add", kind="mistake", general=False, when=f"a {failed[0]['task_type']} task", pitfall=pitfall, sources=[c["task_id"] for c in failed[:2]]))
+        pitfall = (f"'{action}' changed nothing ({n} times in failed attempts)" if action
+                   else "a reply without <think> </think> and <action> </action> tags is no action")
+        edits.append(dict(op="add", kind="mistake", general=False, when=f"a {failed[0]['task_type']} task",
+                          pitfall=pitfall, sources=[c["task_id"] for c in failed[:2]]))
     if mode == "REVISE":
-        wrong = [e for e in entries if e["kind"] == "mistake" and any(took(a.lower(), c["won_actions"]) for c in wins for a in re.findall(r"'([^']+)'", e["pitfall"]))]
+        wrong = [e for e in entries
+                 if e["kind"] == "mistake" and any(took(a.lower(), c["won_actions"])
+                                                   for c in wins for a in re.findall(r"'([^']+)'", e["pitfall"]))]
         edits += [dict(op="delete", id=e["id"]) for e in wrong[: budget["delete"]]]
     elif mode == "COMPRESS" and entries:
         old = sorted(entries, key=lambda e: (e["kind"] != "skill" or e["general"], e["id"]))[0]
@@ -957,12 +968,16 @@ def reviewer_prompt(task_type: str, cards: list, entries: list, mode: str, budge
     """The policy model as reviewer (`--reviewer policy`): cards and bank in, JSON-lines edits out."""
     keys = ("task_id", "task", "mean_reward", "all_failed", "all_passed", "best_steps", "worst_steps")
     bank = [f"[{e['id']}] ({e['kind']}{', general' if e['general'] else ''}) {render_entry(e)[2:]}" for e in entries]
-    return (f"You maintain a bank of guidance for '{task_type}' tasks, built from evidence cards of the latest attempts.\n"
-            "Evidence cards:\n" + "\n".join(json.dumps({k: c[k] for k in keys}) for c in cards) + "\nCurrent bank:\n" + ("\n".join(bank) or "(empty)")
-            + f"\nReview mode: {mode}. Budget: at most {budget['skill']} new skill entries ({budget['general']} general), {budget['mistake']} new "
-            f"mistake entries, {budget['update']} updates, {budget['delete']} deletes{' (an add needs an update or delete)' if mode == 'COMPRESS' else ''}.\n"
+    return (f"You maintain a bank of guidance for '{task_type}' tasks, built from evidence cards of the latest "
+            "attempts.\n"
+            "Evidence cards:\n" + "\n".join(json.dumps({k: c[k] for k in keys}) for c in cards)
+            + "\nCurrent bank:\n" + ("\n".join(bank) or "(empty)")
+            + f"\nReview mode: {mode}. Budget: at most {budget['skill']} new skill entries "
+            f"({budget['general']} general), {budget['mistake']} new mistake entries, {budget['update']} updates, "
+            f"{budget['delete']} deletes{' (an add needs an update or delete)' if mode == 'COMPRESS' else ''}.\n"
             "Reply with one JSON object per line and nothing else; each add cites at least 2 cards in sources:\n"
-            '{"op": "add", "kind": "skill", "general": false, "when": "...", "plan": "action -> action", "sources": ["task id", "task id"]}\n'
+            '{"op": "add", "kind": "skill", "general": false, "when": "...", "plan": "action -> action", '
+            '"sources": ["task id", "task id"]}\n'
             '{"op": "add", "kind": "mistake", "when": "...", "pitfall": "...", "sources": ["task id", "task id"]}\n'
             '{"op": "update", "id": 3, "plan": "..."}\n{"op": "delete", "id": 3}\n')
 
@@ -986,7 +1001,8 @@ def validate_edits(edits: list, entries: list, mode: str, budget: dict, threshol
     left, ids, texts = dict(budget), {e["id"] for e in entries}, [guidance(e) for e in entries]
     accepted, rejected = [], 0
     for ed in edits:
-        well_formed = isinstance(ed, dict) and all(isinstance(ed.get(k, ""), str) for k in FIELDS) and isinstance(ed.get("sources", []), list)
+        well_formed = (isinstance(ed, dict) and all(isinstance(ed.get(k, ""), str) for k in FIELDS)
+                       and isinstance(ed.get("sources", []), list))
         op, kind = (ed.get("op"), ed.get("kind")) if well_formed else (None, None)
         if op in ("update", "delete"):
             ok = isinstance(ed.get("id"), int) and ed["id"] in ids and left[op] > 0
@@ -1017,10 +1033,13 @@ def apply_edits(entries: list, accepted: list, iteration: int, next_id: int) -> 
             entries = [e for e in entries if e["id"] != ed["id"]]
         elif ed["op"] == "update":
             for e in (e for e in entries if e["id"] == ed["id"]):
-                e.update({k: ed[k] for k in FIELDS if k in ed}, sources=sorted(set(e["sources"]) | set(map(str, ed.get("sources", [])))))
+                e.update({k: ed[k] for k in FIELDS if k in ed},
+                         sources=sorted(set(e["sources"]) | set(map(str, ed.get("sources", [])))))
         else:
-            entries.append({"id": next_id, "kind": ed["kind"], "general": ed["kind"] == "skill" and ed.get("general") is True,
-                            **{k: ed.get(k, "") for k in FIELDS}, "sources": [str(s) for s in ed.get("sources", [])], "created": iteration})
+            entries.append({"id": next_id, "kind": ed["kind"],
+                            "general": ed["kind"] == "skill" and ed.get("general") is True,
+                            **{k: ed.get(k, "") for k in FIELDS}, "sources": [str(s) for s in ed.get("sources", [])],
+                            "created": iteration})
             next_id += 1
     return entries, next_id
 
@@ -1035,13 +1054,15 @@ def prune_to_capacity(entries: list, max_entries=MAX_ENTRIES, max_tokens=MAX_TOK
     return entries, pruned
 
 
-def select_scaffold(task_id: str, entries: list, exemplar: Optional[str], ema: float, max_items=6, max_tokens=1024, adapt=True) -> tuple:
+def select_scaffold(task_id: str, entries: list, exemplar: Optional[str], ema: float, max_items=6, max_tokens=1024,
+                    adapt=True) -> tuple:
     """A task's context, most concrete first: its own success exemplar, plans citing this task, general
     plans, other tasks' plans, then pitfalls; k = ceil(K (1 - ema)) items for a type of competence ema,
     within max_tokens (an unseen task gets its type's entries). adapt=False: the exemplar and the whole
     bank (--no-adapt). Returns (scaffold text, ids of the items shown; EXEMPLAR for the exemplar)."""
     rank = lambda e: (e["kind"] != "skill", task_id not in e["sources"], not e["general"], e["id"])  # noqa: E731
-    items = ([(EXEMPLAR, exemplar)] if exemplar else []) + [(e["id"], render_entry(e)) for e in sorted(entries, key=rank)]
+    items = (([(EXEMPLAR, exemplar)] if exemplar else [])
+             + [(e["id"], render_entry(e)) for e in sorted(entries, key=rank)])
     if adapt:
         items = items[: math.ceil(max_items * (1 - ema) - 1e-9)]
         items = items[: int((np.cumsum([est_tokens(text) for _, text in items]) <= max_tokens).sum())]
@@ -1067,12 +1088,14 @@ def review_bank(pats: dict, cards: list, reviewer, args: Args, iteration: int) -
         if c["all_passed"] and EXEMPLAR not in c["shown"] and not args.no_adapt:
             pats["exemplars"].pop(c["task_id"], None)
         elif c["won"] and c["best_steps"]:
-            pats["exemplars"][c["task_id"]] = "- Exemplar (a successful attempt at this task): " + " -> ".join(a for _, a in c["best_steps"])
+            pats["exemplars"][c["task_id"]] = ("- Exemplar (a successful attempt at this task): "
+                                               + " -> ".join(a for _, a in c["best_steps"]))
     for task_type, type_cards in sorted(by_type.items()):
         entries = pats["bank"].get(task_type, [])
         kept = entries if args.no_adapt else [e for e in entries if not any(redundant(e, c) for c in type_cards)]
         metrics["pats/entries_redundant"] += len(entries) - len(kept)
-        ema = pats["ema"][task_type] = update_competence(pats["ema"].get(task_type, 0.0), [c["success"] for c in type_cards])
+        ema = pats["ema"][task_type] = update_competence(pats["ema"].get(task_type, 0.0),
+                                                         [c["success"] for c in type_cards])
         mode = review_mode(kept, ema)
         edits, unparsed = reviewer(task_type, type_cards, kept, mode, BUDGETS[mode])
         accepted, rejected = validate_edits(edits, kept, mode, BUDGETS[mode])
@@ -1586,12 +1609,14 @@ if __name__ == "__main__":
 
     def scaffold(e):  # ALGO LOGIC: a group's context from its type's bank, sized by the type's competence
         exemplar = None if args.no_cards else pats["exemplars"].get(e.task_id)
-        return select_scaffold(e.task_id, pats["bank"].get(e.task_type, []), exemplar, pats["ema"].get(e.task_type, 0.0),
+        return select_scaffold(e.task_id, pats["bank"].get(e.task_type, []), exemplar,
+                               pats["ema"].get(e.task_type, 0.0),
                                args.scaffold_max_items, args.scaffold_max_tokens, not args.no_adapt)
 
     review_cost = defaultdict(int)  # the reviewer's generated and read tokens this iteration
 
-    def reviewer(task_type, cards, entries, mode, budget):  # ALGO LOGIC: the rules, or the policy writing JSON-lines edits
+    # ALGO LOGIC: the rules, or the policy writing JSON-lines edits
+    def reviewer(task_type, cards, entries, mode, budget):
         if args.reviewer == "rules":
             return rules_review(cards, entries, mode, budget), 0
         budget_tokens = args.max_prompt_tokens + args.max_new_tokens - args.reviewer_max_new_tokens
@@ -1602,7 +1627,8 @@ if __name__ == "__main__":
         out = generate([ids[-budget_tokens:]], args.eval_temperature, args.reviewer_max_new_tokens)
         review_cost["prompt"] += len(ids[-budget_tokens:])
         review_cost["response"] += len(out[0])
-        return all_gather_objects([parse_edits(tokenizer.decode(out[0], skip_special_tokens=True))])[0]  # rank 0's edits
+        # rank 0's edits
+        return all_gather_objects([parse_edits(tokenizer.decode(out[0], skip_special_tokens=True))])[0]
 
     runner = envs.EnvRunner(spec, args.num_env_workers)
     try:
@@ -1621,7 +1647,8 @@ if __name__ == "__main__":
                 tasks = task_rng.choice(len(train_tasks), args.num_tasks, replace=len(train_tasks) < args.num_tasks)
                 new = [Episode(train_tasks[tasks[group]], filter_round * args.num_tasks + group)
                        for group in my_groups for _ in range(args.group_size)]
-                timing.update(rollout(spec, runner, tokenizer, generate, args, new, args.temperature, "rollout", scaffold))
+                timing.update(rollout(spec, runner, tokenizer, generate, args, new, args.temperature, "rollout",
+                                      scaffold))
                 if crashed := envs.most_crashed([e.crashed for e in new]):
                     fail(crashed)
                 played += new

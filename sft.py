@@ -149,7 +149,8 @@ class Args:
     eval_every: int = 1
     """evaluate every N epochs (and before the first and after the last)"""
     num_eval_tasks: int = 128
-    """held-out tasks evaluated each time, per eval split (the same list every time, chosen by seed; 0: no evaluation)"""
+    """held-out tasks evaluated each time, per eval split (the same list every time, chosen by seed; 0: no
+    evaluation)"""
     eval_temperature: float = 0.4
     """sampling temperature of evaluation episodes (as in the RL files); also evaluated at --temperature"""
 
@@ -223,10 +224,12 @@ def resolve_args(args: Args, spec) -> Args:
         if getattr(args, name) is None:
             setattr(args, name, getattr(preset, name))
     args.eval_split = args.eval_split or preset.eval_split
-    if args.epochs < 1 or (args.num_tasks is not None and args.num_tasks < 1) or args.max_steps < 1 or args.max_new_tokens < 1:
+    if (args.epochs < 1 or (args.num_tasks is not None and args.num_tasks < 1) or args.max_steps < 1
+            or args.max_new_tokens < 1):
         fail("--epochs, --num-tasks, --max-steps and --max-new-tokens must be positive")
     if not 0 <= args.warmup_ratio < 1 or args.lr_schedule not in ("cosine", "constant"):
-        fail(f"--warmup-ratio must be in [0, 1) and --lr-schedule cosine or constant (got {args.warmup_ratio}, {args.lr_schedule})")
+        fail(f"--warmup-ratio must be in [0, 1) and --lr-schedule cosine or constant "
+             f"(got {args.warmup_ratio}, {args.lr_schedule})")
     return args
 
 
@@ -897,7 +900,8 @@ def update_policy(model, optimizer, scheduler, prompts, responses, args: Args, p
     return metrics, list(zip(step_nll, step_lr))
 
 
-def evaluate_warm_start(spec, runner, tokenizer, generate, args: Args, eval_tasks: dict, rank: int, world_size: int) -> dict:
+def evaluate_warm_start(spec, runner, tokenizer, generate, args: Args, eval_tasks: dict, rank: int,
+                        world_size: int) -> dict:
     """ALGO LOGIC: held-out success at the evaluation temperature (`eval/`, as the RL files log it)
     and at the RL runs' sampling temperature (`eval_sampling/`): the room a warm start leaves RL.
     With no held-out task (--num-eval-tasks 0) nothing is played and nothing is logged."""
@@ -907,7 +911,8 @@ def evaluate_warm_start(spec, runner, tokenizer, generate, args: Args, eval_task
     sampling = replace(args, eval_temperature=args.temperature)
     at_sampling = evaluate(spec, runner, tokenizer, generate, sampling, eval_tasks, rank, world_size)
     both = metrics["perf/eval_s"] + at_sampling["perf/eval_s"]
-    return {**metrics, **{k.replace("eval/", "eval_sampling/", 1): v for k, v in at_sampling.items()}, "perf/eval_s": both}
+    return {**metrics, **{k.replace("eval/", "eval_sampling/", 1): v for k, v in at_sampling.items()},
+            "perf/eval_s": both}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1190,11 +1195,12 @@ if __name__ == "__main__":
         if crashed := envs.most_crashed([True] * num_crashed + [False] * (replayed - num_crashed)):
             fail(crashed)
         if demo_counts["demos/samples"] == 0:
-            fail(f"env {args.env}: none of the {num_demos} {spec.preset.train_split!r} tasks has an expert trajectory that "
-                 f"wins ({int(demo_counts['demos/without_plan'])} have no reference actions at all)")
+            fail(f"env {args.env}: none of the {num_demos} {spec.preset.train_split!r} tasks has an expert trajectory "
+                 f"that wins ({int(demo_counts['demos/without_plan'])} have no reference actions at all)")
         prompts, targets = [p for p, _ in samples], [t for _, t in samples]
         total_steps = args.epochs * max(1, math.ceil(all_reduce([len(prompts)])[0] / args.minibatch_size))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, args.warmup_ratio, args.lr_schedule))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_factor(step, total_steps, args.warmup_ratio, args.lr_schedule))
         if is_main:
             print(f"demonstrations: {int(demo_counts['demos/won'])} of {num_demos} tasks replayed to a win, "
                   f"{int(demo_counts['demos/samples'])} step samples ({demo_counts['demos/replay_s']:.0f}s)")
@@ -1209,34 +1215,42 @@ if __name__ == "__main__":
         if is_main:
             writer, step_writer = open_logs(run_dir, args, start_epoch)
         if start_epoch == 0:
-            metrics = {**demo_counts, **evaluate_warm_start(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size)}
+            metrics = {**demo_counts,
+                       **evaluate_warm_start(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size)}
             if is_main:
                 log_metrics(writer, run_dir, metrics, 0)
         epochs = range(start_epoch + 1, args.epochs + 1)
-        for epoch in progress(args.exp_name, args.epochs, leave=True, iterable=epochs, initial=start_epoch, unit="epochs"):
+        for epoch in progress(args.exp_name, args.epochs, leave=True, iterable=epochs, initial=start_epoch,
+                              unit="epochs"):
             epoch_start = time.perf_counter()
-            metrics, steps = update_policy(model, optimizer, scheduler, prompts, targets, args, tokenizer.pad_token_id, autocast, update_generator)
+            metrics, steps = update_policy(model, optimizer, scheduler, prompts, targets, args, tokenizer.pad_token_id,
+                                           autocast, update_generator)
             generate.sync(model)
             metrics["perf/epoch_s"] = time.perf_counter() - epoch_start
             metrics["tokens/prompt"] = all_reduce([sum(map(len, prompts))])[0]
             metrics["tokens/samples"] = all_reduce([len(prompts)])[0]
             if epoch % args.eval_every == 0 or epoch == args.epochs:
-                metrics.update(evaluate_warm_start(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size))
+                metrics.update(evaluate_warm_start(spec, runner, tokenizer, generate, args, eval_tasks, rank,
+                                                   world_size))
             if is_main:
                 log_metrics(writer, run_dir, metrics, epoch)
                 first_step = (epoch - 1) * len(steps)
                 with open(run_dir / "steps.jsonl", "a") as f:  # the NLL curve, one row per optimizer step
                     for k, (nll, lr) in enumerate(steps):
                         step_writer.add_scalar("losses/nll_step", nll, first_step + k)
-                        f.write(json.dumps({"step": first_step + k, "epoch": epoch, "losses/nll": nll, "lr": lr}) + "\n")
+                        f.write(json.dumps({"step": first_step + k, "epoch": epoch, "losses/nll": nll, "lr": lr})
+                                + "\n")
                 tqdm.write(f"epoch {epoch}: nll {metrics['losses/nll']:.4f} ({metrics['perf/epoch_s']:.1f}s)"
-                           + (f" eval success {metrics['eval/success_rate']:.3f} / {metrics['eval_sampling/success_rate']:.3f} "
-                              f"at temperature {args.eval_temperature} / {args.temperature}" if "eval/success_rate" in metrics else ""))
+                           + (f" eval success {metrics['eval/success_rate']:.3f} / "
+                              f"{metrics['eval_sampling/success_rate']:.3f} "
+                              f"at temperature {args.eval_temperature} / {args.temperature}"
+                              if "eval/success_rate" in metrics else ""))
             if epoch % args.save_every == 0 or epoch == args.epochs:
                 for r, state in enumerate(all_gather_objects([update_generator.get_state()])):
                     method_state[f"update_generator_{r}"] = state
                 method_state["scheduler"] = scheduler.state_dict()
-                save_checkpoint(run_dir, model, plain_model, tokenizer, optimizer, epoch, args, task_rng, method_state, rank)
+                save_checkpoint(run_dir, model, plain_model, tokenizer, optimizer, epoch, args, task_rng,
+                                method_state, rank)
     finally:
         runner.close()
         for w in (writer, step_writer):

@@ -826,7 +826,8 @@ STRATEGY_TEMPLATE = """
 You are an expert agent. Your task is to: {task}
 Your initial observation is: {observation}
 
-Before taking any action, plan how to complete the task. Write a concise high-level strategy: the key steps in order and what to check along the way.
+Before taking any action, plan how to complete the task. Write a concise high-level strategy: the key steps in \
+order and what to check along the way.
 Present the strategy within <strategy> </strategy> tags.
 """
 STRATEGY_PREFIX = "Your strategy for this task (follow it): {strategy}\n"
@@ -836,7 +837,8 @@ You are reviewing the steps an agent took.
 The agent's task was: {task}
 The strategy it committed to: {strategy}
 
-Which steps neither follow the strategy nor make progress on the task? Answer with their step numbers within <judgment> </judgment> tags, e.g. <judgment>3, 7</judgment>, or <judgment>none</judgment> when every step was useful.
+Which steps neither follow the strategy nor make progress on the task? Answer with their step numbers within \
+<judgment> </judgment> tags, e.g. <judgment>3, 7</judgment>, or <judgment>none</judgment> when every step was useful.
 """
 
 
@@ -856,7 +858,8 @@ def parse_strategy(response: str) -> tuple[str, bool]:
     return (m.group(1).strip(), True) if m else (response.strip(), False)
 
 
-def sample_strategies(spec, runner, tokenizer, generate, args: Args, task_ids: list[str], per_task: int, temperature: float) -> list[list[Strategy]]:
+def sample_strategies(spec, runner, tokenizer, generate, args: Args, task_ids: list[str], per_task: int,
+                      temperature: float) -> list[list[Strategy]]:
     """`per_task` candidates z ~ pi(.|s_1) for each task, in one generation call (s_1: one reset per task)."""
     if not task_ids:
         return []
@@ -864,10 +867,12 @@ def sample_strategies(spec, runner, tokenizer, generate, args: Args, task_ids: l
     first = dict(zip(unique, runner.reset(unique)))
     prompts = []
     for t in task_ids:
-        ids = encode_prompt(tokenizer, STRATEGY_TEMPLATE.format(task=first[t].task, observation=first[t].observation))
+        ids = encode_prompt(tokenizer,
+                            STRATEGY_TEMPLATE.format(task=first[t].task, observation=first[t].observation))
         prompts += [ids[-args.max_prompt_tokens :]] * per_task
     responses = generate(prompts, temperature, min(args.strategy_max_new_tokens, args.max_new_tokens))
-    out = [Strategy(p, r, *parse_strategy(tokenizer.decode(r, skip_special_tokens=True))) for p, r in zip(prompts, responses)]
+    out = [Strategy(p, r, *parse_strategy(tokenizer.decode(r, skip_special_tokens=True)))
+           for p, r in zip(prompts, responses)]
     return [out[k * per_task : (k + 1) * per_task] for k in range(len(task_ids))]
 
 
@@ -926,19 +931,22 @@ def top_delta_mean(returns: np.ndarray, delta: float) -> float:
     return float(np.sort(returns)[::-1][:k].mean())
 
 
-def strategy_reward(returns: np.ndarray, delta: float, n_tokens: int, token_budget: int, length_penalty: float, tagged: bool, format_penalty: float) -> float:
+def strategy_reward(returns: np.ndarray, delta: float, n_tokens: int, token_budget: int, length_penalty: float,
+                    tagged: bool, format_penalty: float) -> float:
     """clip(R_top-delta(z) - length_penalty * max(0, L - B) / B - format_penalty * 1[no tags], -1, 1),
     with returns already scaled to [0, 1] by the success reward."""
     r = top_delta_mean(returns, delta) - length_penalty * max(0, n_tokens - token_budget) / token_budget
     return float(np.clip(r - format_penalty * (not tagged), -1.0, 1.0))
 
 
-def action_scores(episode_rewards: np.ndarray, invalid: np.ndarray, flagged: np.ndarray, success_reward: float, invalid_penalty: float, kappa: float) -> np.ndarray:
+def action_scores(episode_rewards: np.ndarray, invalid: np.ndarray, flagged: np.ndarray, success_reward: float,
+                  invalid_penalty: float, kappa: float) -> np.ndarray:
     """s_{i,t} = R_i / success_reward - penalty * invalid_{i,t} + R_judge, R_judge = -kappa * 1[t in I_i]
     (the judgment reward enters before the (task x strategy) group normalisation).
     interpretation: the penalty is taken on the [0, 1] scale, so it weighs 10x more against a success
     than grpo.py's (0.1 of 1 here, 0.1 of 10 there)."""
-    return step_scores(episode_rewards / success_reward, invalid, invalid_penalty) - kappa * flagged.astype(np.float64)
+    return (step_scores(episode_rewards / success_reward, invalid, invalid_penalty)
+            - kappa * flagged.astype(np.float64))
 
 
 def parse_judgment(response: str, num_steps: int) -> tuple[set, bool]:
@@ -955,21 +963,24 @@ def parse_judgment(response: str, num_steps: int) -> tuple[set, bool]:
 
 def judge_prompt(tokenizer, args: Args, episode) -> list[int]:
     """The episode's (observation, action) steps, then task, strategy and the question (over budget: the tail)."""
-    steps = "\n".join(f"Step {k}: observation: '{t.observation[: args.judge_obs_chars]}', action: '{t.action}'" for k, t in enumerate(episode.turns, 1))
-    ids = encode_prompt(tokenizer, JUDGE_TEMPLATE.format(steps=steps, task=episode.task, strategy=episode.strategy.text))
+    steps = "\n".join(f"Step {k}: observation: '{t.observation[: args.judge_obs_chars]}', action: '{t.action}'"
+                      for k, t in enumerate(episode.turns, 1))
+    ids = encode_prompt(tokenizer,
+                        JUDGE_TEMPLATE.format(steps=steps, task=episode.task, strategy=episode.strategy.text))
     return ids[-args.max_prompt_tokens :]
 
 
 def self_judge(tokenizer, generate, args: Args, episodes: list) -> dict:
     """The policy judges each finished episode and sets its flagged steps I_i (not trained on)."""
     judged = [e for e in episodes if e.turns]
-    responses = generate([judge_prompt(tokenizer, args, e) for e in judged], args.eval_temperature, min(args.judge_max_new_tokens, args.max_new_tokens)) if judged else []
+    responses = generate([judge_prompt(tokenizer, args, e) for e in judged], args.eval_temperature,
+                         min(args.judge_max_new_tokens, args.max_new_tokens)) if judged else []
     failures = 0
     for e, r in zip(judged, responses):
         e.flagged, ok = parse_judgment(tokenizer.decode(r, skip_special_tokens=True), len(e.turns))
         failures += not ok
-    return {"flagged": sum(len(e.flagged) for e in judged), "steps": sum(len(e.turns) for e in judged), "failures": failures,
-            "judged": len(judged), "tokens": sum(len(r) for r in responses)}
+    return {"flagged": sum(len(e.flagged) for e in judged), "steps": sum(len(e.turns) for e in judged),
+            "failures": failures, "judged": len(judged), "tokens": sum(len(r) for r in responses)}
 
 
 def training_batch(episodes: list[Episode], args: Args):
@@ -1119,7 +1130,8 @@ def recompute_logprobs(model, prompts, responses, args: Args, pad_id: int, autoc
     return out
 
 
-def update_policy(model, ref_model, optimizer, prompts, responses, advantages, args: Args, pad_id: int, autocast, generator, is_strategy,
+def update_policy(model, ref_model, optimizer, prompts, responses, advantages, args: Args, pad_id: int, autocast,
+                  generator, is_strategy,
                   sampler: Optional[Sampler] = None):
     """Old (and reference) log-probs first, then `update_epochs` passes of minibatch PPO steps.
     Under torchrun each rank holds its own groups' samples; a minibatch is the union of one
@@ -1139,7 +1151,8 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
     for _ in range(args.update_epochs):
         perm = torch.randperm(len(prompts), generator=generator).numpy()
         actions = np.array_split(perm[~is_strategy[perm]], num_minibatches)
-        strategies = np.array_split(perm[is_strategy[perm]], num_minibatches)[::-1]  # the smaller slices go with the larger action slices
+        # the smaller slices go with the larger action slices
+        strategies = np.array_split(perm[is_strategy[perm]], num_minibatches)[::-1]
         epochs.append([np.concatenate([a_part, z_part]) for a_part, z_part in zip(actions, strategies)])
     # Until the first optimizer step the old policy is the current one, so the first minibatch takes
     # its old log-probs from its own training forward (detached, at the same temperature as the no-grad
@@ -1172,7 +1185,8 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
             a_part = [i for i in minibatch if not is_strategy[i]]
             z_part = [i for i in minibatch if is_strategy[i]]
             # each level's token-mean over the whole (all-rank) minibatch; FSDP averages gradients over ranks
-            action_tokens, strategy_tokens = all_reduce([sum(len(responses[i]) for i in a_part), sum(len(responses[i]) for i in z_part)])
+            action_tokens, strategy_tokens = all_reduce([sum(len(responses[i]) for i in a_part),
+                                                         sum(len(responses[i]) for i in z_part)])
             scale = (world_size / max(action_tokens, 1), world_size * args.strategy_loss_coef / max(strategy_tokens, 1))
             optimizer.zero_grad(set_to_none=True)
             lengths = [len(prompts[i]) + len(responses[i]) for i in minibatch]
@@ -1189,7 +1203,8 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
                 real_tokens += int(attn.sum())
                 padded_tokens += attn.numel()
                 adv = torch.cat([torch.full((len(responses[i]),), float(advantages[i])) for i in idx]).to(device)
-                weight = torch.cat([torch.full((len(responses[i]),), scale[1] if is_strategy[i] else scale[0]) for i in idx]).to(device)
+                weight = torch.cat([torch.full((len(responses[i]),), scale[1] if is_strategy[i] else scale[0])
+                                    for i in idx]).to(device)
                 with autocast():
                     logp, entropy = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device),
                                                       args.logprob_chunk_tokens, args.temperature)
@@ -1546,16 +1561,21 @@ if __name__ == "__main__":
             for filter_round in range(1 + args.max_filter_rounds * args.filter_groups):
                 tasks = task_rng.choice(len(train_tasks), args.num_tasks, replace=len(train_tasks) < args.num_tasks)
                 strategy_start = time.perf_counter()
-                candidates = sample_strategies(spec, runner, tokenizer, generate, args, [train_tasks[tasks[g]] for g in my_groups], per_task, args.temperature)
-                all_emb = strategy_embeddings(model, [z.response_ids for zs in candidates for z in zs], tokenizer.pad_token_id, autocast, args.micro_batch_tokens)
-                for g, cands, emb in zip(my_groups, candidates, np.split(all_emb, len(candidates)) if candidates else []):
+                candidates = sample_strategies(spec, runner, tokenizer, generate, args,
+                                               [train_tasks[tasks[g]] for g in my_groups], per_task, args.temperature)
+                all_emb = strategy_embeddings(model, [z.response_ids for zs in candidates for z in zs],
+                                              tokenizer.pad_token_id, autocast, args.micro_batch_tokens)
+                for g, cands, emb in zip(my_groups, candidates,
+                                         np.split(all_emb, len(candidates)) if candidates else []):
                     keep = farthest_point_sampling(emb, N)  # --no-diverse: a pool of N, all kept
                     chosen[g] = [cands[j] for j in keep]
                     diversity["chosen"].append(mean_pairwise_distance(emb[keep]))
-                    diversity["random"].append(mean_pairwise_distance(emb[:N]))  # candidates are i.i.d.: the first N are a random pick
+                    # candidates are i.i.d.: the first N are a random pick
+                    diversity["random"].append(mean_pairwise_distance(emb[:N]))
                 strategy_s += time.perf_counter() - strategy_start
                 offset = filter_round * args.num_tasks
-                new = [Episode(train_tasks[tasks[g]], (offset + g) * N + j, strategy=chosen[g][j], task_group=offset + g)
+                new = [Episode(train_tasks[tasks[g]], (offset + g) * N + j, strategy=chosen[g][j],
+                               task_group=offset + g)
                        for g in my_groups for j in range(N) for _ in range(M)]
                 timing.update(rollout(spec, runner, tokenizer, generate, args, new, args.temperature, "rollout"))
                 if crashed := envs.most_crashed([e.crashed for e in new]):
@@ -1582,9 +1602,11 @@ if __name__ == "__main__":
             # the update (ALGO LOGIC: update_policy weighs the strategy samples' token-mean by lambda)
             if llm is not None and args.vllm_sleep:
                 llm.sleep(level=1)
-            trained = all_reduce([len(prompts)])[0] > 0  # none: --filter-groups kept no group at its cap (--filter-cap kept)
+            # none: --filter-groups kept no group at its cap (--filter-cap kept)
+            trained = all_reduce([len(prompts)])[0] > 0
             metrics = update_policy(model, ref_model, optimizer, prompts, responses, advantages, args,
-                                    tokenizer.pad_token_id, autocast, update_generator, is_strategy, sampler=generate) if trained else {}
+                                    tokenizer.pad_token_id, autocast, update_generator, is_strategy,
+                                    sampler=generate) if trained else {}
             generate.sync(model)
 
             # TRY NOT TO MODIFY: what the iteration achieved and cost
