@@ -1457,8 +1457,10 @@ def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: dict, ra
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
         episodes = [Episode(task_id, group) for group, _, task_id in mine]
         rollout(spec, runner, tokenizer, generate, args, episodes, args.eval_temperature, "eval")
-    stats = all_gather_objects([dict(episode_stats(e), split=split) for e, (_, split, _) in zip(episodes, mine)])
+    stats = all_gather_objects([dict(episode_stats(e), split=split, task_id=task_id)
+                                for e, (_, split, task_id) in zip(episodes, mine)])
     metrics = episode_metrics(stats, args.success_reward, "eval")
+    metrics["eval/won_by_task"] = {s["task_id"]: int(s["won"]) for s in stats}  # which games a change won or lost
     for split in eval_tasks if len(eval_tasks) > 1 else []:
         metrics.update(episode_metrics([s for s in stats if s["split"] == split], args.success_reward, f"eval/{split}"))
     metrics["perf/eval_s"] = time.perf_counter() - start
@@ -1466,8 +1468,10 @@ def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: dict, ra
 
 
 def log_metrics(writer, run_dir: Path, metrics: dict, iteration: int) -> None:
+    """Numbers to TensorBoard, everything (per-game outcomes, task ids too) to metrics.jsonl."""
     for key, value in metrics.items():
-        writer.add_scalar(key, value, iteration)
+        if not isinstance(value, (dict, list)):
+            writer.add_scalar(key, value, iteration)
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
 
@@ -1770,6 +1774,7 @@ if __name__ == "__main__":
             # TRY NOT TO MODIFY: what the iteration achieved and cost
             metrics.update(algo_metrics)
             metrics.update(episode_metrics(all_gather_objects([episode_stats(e) for e in played]), args.success_reward, "charts"))
+            metrics["rollout/task_ids"] = all_gather_objects(list(dict.fromkeys(e.task_id for e in played)))
             if args.filter_groups:  # charts/* counts every episode played; charts_trained/* the ones trained on
                 metrics.update({"filter/rounds": filter_round + 1, "filter/informative_groups": len(kept),
                                 "filter/groups_trained": len(trained_groups), "filter/skipped_update": float(not trained)})

@@ -928,8 +928,10 @@ def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: dict, ra
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
         episodes = [Episode(task_id, group) for group, _, task_id in mine]
         rollout(spec, runner, tokenizer, generate, args, episodes, args.eval_temperature, "eval")
-    stats = all_gather_objects([dict(episode_stats(e), split=split) for e, (_, split, _) in zip(episodes, mine)])
+    stats = all_gather_objects([dict(episode_stats(e), split=split, task_id=task_id)
+                                for e, (_, split, task_id) in zip(episodes, mine)])
     metrics = episode_metrics(stats, args.success_reward, "eval")
+    metrics["eval/won_by_task"] = {s["task_id"]: int(s["won"]) for s in stats}  # which games a change won or lost
     for split in eval_tasks if len(eval_tasks) > 1 else []:
         metrics.update(episode_metrics([s for s in stats if s["split"] == split], args.success_reward, f"eval/{split}"))
     metrics["perf/eval_s"] = time.perf_counter() - start
@@ -937,8 +939,10 @@ def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: dict, ra
 
 
 def log_metrics(writer, run_dir: Path, metrics: dict, iteration: int) -> None:
+    """Numbers to TensorBoard, everything (per-game outcomes, task ids too) to metrics.jsonl."""
     for key, value in metrics.items():
-        writer.add_scalar(key, value, iteration)
+        if not isinstance(value, (dict, list)):
+            writer.add_scalar(key, value, iteration)
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
 

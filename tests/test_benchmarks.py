@@ -321,3 +321,49 @@ def test_backends_runs_the_compare_setting_with_each_generator(vllm_imports, vll
     assert vllm["logprob_abs_diff_mean"][0][1] < 0.05  # fp32 engine and fp32 training (--bf16 False)
     assert set(r["vllm_speedup"]) == {"gen_s_per_iteration", "iteration_s", "eval_s", "gen_tokens_per_s"}
     assert r["warm_start"] in vllm["command"]
+
+
+def test_compare_replication_states_the_test_on_the_new_seeds_and_over_all_seeds(monkeypatch):
+    """issue 41's test, stated before the runs: Fisher on the new seeds' pooled games, a one-sided sign-flip test over
+    every seed, the pooled difference with its Newcombe interval, and the games whose plan no trained game had."""
+    spec = importlib.util.spec_from_file_location("compare", REPO / "benchmarks" / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "compare", module)
+    spec.loader.exec_module(module)
+    # sign flips of [0.2, 0.1, 0.3, -0.1] (sum 0.5): a sum is 0.7 - 2 x (the magnitudes flipped negative), so >= 0.5
+    # only when they total <= 0.1: none, or one of the two 0.1s: 3 of 16
+    assert module.sign_flip_p([0.2, 0.1, 0.3, -0.1]) == pytest.approx(3 / 16)
+    assert module.sign_flip_p([0.1, 0.2, 0.1, 0.3]) == pytest.approx(1 / 16)  # all four positive: the floor at 4 seeds
+    # Wilson of 0/10: [0, z^2 / (10 + z^2)] = [0, 3.841459 / 13.841459] = [0, 0.277533]; of 10/10: [0.722467, 1]
+    assert module.wilson_interval(0, 10) == pytest.approx((0.0, 0.277533), abs=1e-6)
+    # Newcombe of 10/10 - 0/10: 1 - sqrt((1 - 0.722467)^2 + 0.277533^2) = 1 - 0.392491 = 0.607509, and 1 + 0 = 1
+    assert module.newcombe_interval(10, 10, 0, 10) == pytest.approx((0.607509, 1.0), abs=1e-6)
+    assert module.newcombe_interval(0, 10, 0, 10) == pytest.approx((-0.277533, 0.277533), abs=1e-6)
+
+    def run(script, seed, end, variant="", won=None):
+        entry = {"script": script, "start": "sft", "seed": seed, "eval_success": [[0, 0.0], [4, end]]}
+        if seed >= 3:
+            entry.update({"num_eval_tasks": 4, "eval_won_by_task": {"4": won}})
+        return {**entry, "variant": variant} if variant else entry
+
+    runs = [run("grpo.py", 1, 0.5), run("grpo.py", 2, 0.5), run("proas.py", 1, 1.0), run("proas.py", 2, 0.5),
+            run("grpo.py", 3, 0.25, won={"a": 1, "b": 0, "c": 0, "d": 0}), run("grpo.py", 4, 0.0, won={"e": 0, "f": 0, "g": 0, "h": 0}),
+            run("proas.py", 3, 0.75, won={"a": 1, "b": 1, "c": 1, "d": 0}), run("proas.py", 4, 0.5, won={"e": 1, "f": 1, "g": 0, "h": 0}),
+            run("proas.py", 3, 0.0, "base-gigpo", won=dict.fromkeys("abcd", 0))]
+    seen = {3: {"a": True, "b": False, "c": True, "d": False}, 4: {"e": False, "f": True, "g": True, "h": True}}
+    rep = module.replication({"setting": {"num_eval_tasks": 2}, "runs": runs}, seen)
+    proas = rep["proas.py"]
+    # new seeds: 3 + 2 = 5 wins against 1 + 0 = 1 of 8; the splits (5,1) and (1,5) each C(8,5)C(8,1)/C(16,6) = 448/8008,
+    # (6,0) and (0,6) 28/8008: p = 952/8008
+    assert proas["new_seeds"] == {"seeds": [3, 4], "wins": 5, "grpo_wins": 1, "games": 8, "fisher_p": pytest.approx(952 / 8008)}
+    # differences per seed (2 games at seeds 1-2): +0.5, 0, +0.5, +0.5; sums of sign flips >= 1.5: the 2 that flip only the 0
+    assert proas["per_seed_difference"] == {"1": 0.5, "2": 0.0, "3": 0.5, "4": 0.5}
+    assert proas["sign_flip_p_one_sided"] == pytest.approx(2 / 16)
+    # all seeds: wins 2 + 1 + 3 + 2 = 8 against 1 + 1 + 1 + 0 = 3 of 12
+    assert {k: proas["all_seeds"][k] for k in ("wins", "grpo_wins", "games")} == {"wins": 8, "grpo_wins": 3, "games": 12}
+    assert proas["all_seeds"]["difference"] == pytest.approx(5 / 12)
+    assert proas["all_seeds"]["newcombe_95"] == pytest.approx(module.newcombe_interval(8, 12, 3, 12))
+    # never-trained plans: b, d (seed 3) and e (seed 4): proas.py won b and e, grpo.py none of them
+    assert proas["unseen_plan_games"] == {"games": 3, "wins": 2, "grpo_wins": 0}
+    assert rep["proas.py --base-gigpo"]["new_seeds"]["wins"] == 0 and "gigpo.py" not in rep
+    assert "| proas.py | 5 vs 1 of 8 (p 0.12) |" in module.replication_markdown(rep)
