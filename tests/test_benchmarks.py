@@ -140,6 +140,17 @@ def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_mo
     (warm,) = load(out)["runs"]
     assert [i for i, _ in warm["eval_success"]] == [0, 1, 2] and [i for i, _ in warm["train_success"]] == [1, 2]
     assert warm["run_dir"] == r["runs"][0]["run_dir"]
+    # each evaluation's per-game outcomes and each iteration's training tasks are logged, and they are the lists
+    # heldout_plans.py redraws with the scripts' own generators (the resumed iteration included)
+    spec = importlib.util.spec_from_file_location("heldout_plans", REPO / "benchmarks" / "heldout_plans.py")
+    plans = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plans)
+    import envs
+
+    held_out, trained, _ = plans.drawn_lists(envs.load("cooking"), 1, plans.Args(num_eval_tasks=1, num_tasks=1, iterations=2))
+    assert warm["trained_tasks"] == {"1": trained[:1], "2": trained[1:]}
+    assert list(warm["eval_won_by_task"]) == ["0", "1", "2"]
+    assert all(list(games) == held_out and set(games.values()) <= {0, 1} for games in warm["eval_won_by_task"].values())
     # `--stage report` summarises what landed under the setting it ran with, not the flags of the report call
     bench("compare.py", *flags[2:], "--stage", "report", "--learning-rate", "0.5", timeout=300)
     assert load(out)["setting"]["learning_rate"] == 1e-5 and load(out)["table"][0]["script"] == "grpo.py"

@@ -38,8 +38,10 @@ def only_run(output_dir: Path) -> Path:
 
 
 def comparable(row: dict) -> dict:
-    """Everything but timings: what a resumed run must reproduce exactly."""
-    return {k: v for k, v in row.items() if not k.startswith("perf/")}
+    """Everything but timings: what a resumed run must reproduce exactly (per-game outcomes and task lists as
+    JSON text, which pytest.approx compares exactly)."""
+    return {k: json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v for k, v in row.items()
+            if not k.startswith("perf/")}
 
 
 @pytest.fixture(scope="module")
