@@ -341,7 +341,7 @@ E2E_FLAGS = ["--probe-episodes", "1", "--max-probe-rounds", "1", "--num-eval-tas
 def test_guidance_off_is_exactly_grpo(tiny_model, tmp_path):
     """--guidance off (the zero-RL comparison): no probe, no guided re-roll, the same iteration as grpo.py's,
     metric for metric; actguide.py adds only its unguided success rate (here every group's own)."""
-    from test_grpo_e2e import TINY_FLAGS, comparable, only_run, read_metrics, run_script
+    from test_grpo_e2e import TINY_FLAGS, comparable, logged_lists, only_run, read_metrics, run_script
 
     flags = [*TINY_FLAGS, "--num-tasks", "1", "--num-eval-tasks", "1", "--max-steps", "2", "--max-new-tokens", "8",
              "--total-iterations", "1"]
@@ -359,7 +359,7 @@ def test_guidance_off_is_exactly_grpo(tiny_model, tmp_path):
 
 
 def test_selective_two_iterations_then_exact_resume_with_the_probe_totals(tiny_model, tmp_path):
-    from test_grpo_e2e import TINY_FLAGS, comparable, only_run, read_metrics, run_script
+    from test_grpo_e2e import TINY_FLAGS, comparable, logged_lists, only_run, read_metrics, run_script
 
     straight = run_script("actguide.py", "--model", tiny_model, *TINY_FLAGS, *E2E_FLAGS, "--total-iterations", "2", "--output-dir", str(tmp_path / "a"))
     assert straight.returncode == 0, straight.stderr[-3000:]
@@ -383,6 +383,7 @@ def test_selective_two_iterations_then_exact_resume_with_the_probe_totals(tiny_m
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     metrics_b = read_metrics(run_b)
     assert comparable(metrics_b[2]) == pytest.approx(comparable(metrics[2]), rel=1e-5, abs=1e-7)
+    assert logged_lists(metrics_b[2]) == logged_lists(metrics[2])
 
 
 def test_always_mode_two_iterations_guides_every_group_without_an_unguided_rollout(tiny_model, tmp_path):

@@ -107,7 +107,7 @@ def test_inspect_policy_counts_the_answers_it_samples(tiny_model, tmp_path):
     assert r["valid_fraction"] == 0.0 and all(text.startswith("<think>") for text, _ in r["answers"])
 
 
-def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_model, tmp_path):
+def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_model, tmp_path, monkeypatch):
     out, runs = tmp_path / "compare.json", tmp_path / "runs"
     flags = ["--stage", "warm", "--model", tiny_model, "--env", "cooking", "--seeds", "1", "--methods", "grpo.py",
              "--sft-num-tasks", "1", "--sft-epochs", "1", "--sft-num-eval-tasks", "1", "--iterations", "1", "--num-tasks", "1", "--group-size", "2",
@@ -144,6 +144,7 @@ def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_mo
     # heldout_plans.py redraws with the scripts' own generators (the resumed iteration included)
     spec = importlib.util.spec_from_file_location("heldout_plans", REPO / "benchmarks" / "heldout_plans.py")
     plans = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "heldout_plans", plans)  # its dataclass looks its module up
     spec.loader.exec_module(plans)
     import envs
 

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import build_tiny_model
 from test_distributed import torchrun
-from test_grpo_e2e import REPO, TINY_FLAGS, comparable, only_run, read_metrics, run_script
+from test_grpo_e2e import REPO, TINY_FLAGS, comparable, logged_lists, only_run, read_metrics, run_script
 from test_sft import SFT_FLAGS
 
 VLLM_FLAGS = [*TINY_FLAGS, "--vllm", "True"]  # lr 1e-3: every update moves the tiny model's log-probs visibly
@@ -86,7 +86,7 @@ def test_resume_under_vllm_repeats_the_straight_run(vllm_imports, vllm_model, tm
     resumed = run_script("grpo.py", "--resume", str(only_run(tmp_path / "b")), "--total-iterations", "2")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = read_metrics(only_run(tmp_path / "a")), read_metrics(only_run(tmp_path / "b"))
-    assert comparable(a[2]) == comparable(b[2])
+    assert comparable(a[2]) == comparable(b[2]) and logged_lists(a[2]) == logged_lists(b[2])
     assert a[2]["tokens/response"] > 0 and "rollout/logprob_abs_diff_mean" in b[2]
 
 
