@@ -16,8 +16,9 @@ Offline, any machine (TextWorld cooking games generated locally, no download):
 Knobs: `--gamma` (0.95 everywhere in verl-agent); `--step-advantage-w` (1.0; 0 drops the step level
 and gives exactly grpo.py's advantages: the GRPO row the papers compare with); `--step-norm
 mean_std|mean` (verl-agent's `algorithm.gigpo.mode`, which normalises the episode level too;
-`--episode-norm` splits them; default: the env preset's, mean on webshop as run_webshop.sh, else mean_std); `--similarity-thresh` (verl-agent's `enable_similarity`: an anchor
-joins a group whose first member's text has difflib ratio >= thresh; off = identical text only).
+`--episode-norm` splits them; default: the env preset's, mean on webshop as run_webshop.sh, else
+mean_std); `--similarity-thresh` (verl-agent's `enable_similarity`: an anchor joins a group whose first
+member's text has difflib ratio >= thresh; off = identical text only).
 
 Reported by verl-agent (their README, Qwen2.5-1.5B-Instruct; not reproduced here): GiGPO ALFWorld
 86.7% success, WebShop 67.4% (GRPO on ALFWorld: 70.3% in the ProAS paper).
