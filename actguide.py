@@ -171,6 +171,17 @@ class Args:
     update_epochs: int = 1
     """passes over the iteration's samples"""
 
+    # LoRA
+    lora_rank: int = 0
+    """rank r of LoRA adapters on the policy (0: full fine-tuning). The base weights stay frozen and, with the adapters
+    off, are the reference policy (no second copy). LoRA wants a larger --learning-rate than full fine-tuning, ~10x"""
+    lora_alpha: float = 32.0
+    """LoRA's alpha: an adapted weight is W + (alpha / r) B A"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input in training passes (above 0, pi_old is always a separate no-dropout pass)"""
+    lora_target_modules: str = "all-linear"
+    """comma-separated names of the linear layers to adapt (all-linear: every attention and MLP projection, not the head)"""
+
     # Rewards
     success_reward: Optional[float] = None
     """episode reward of a won episode (default: the env's preset, 10 for games, 1 for search EM)"""
@@ -375,6 +386,66 @@ def bf16_is_fast(device: torch.device) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
+# LoRA (--lora-rank): frozen base weights plus trained low-rank adapters; everything outside the model sees W + s B A.
+# ----------------------------------------------------------------------------------------------
+def add_lora(model, args: Args, adapter: Optional[Path] = None):
+    """The model with LoRA adapters (Hu et al. 2021, peft): each target layer's W x becomes W x + (alpha / r) B A x,
+    W frozen, A random and B zero, so training starts from the base model. `adapter`: a checkpoint's adapter folder,
+    whose weights replace the fresh ones (a resume). --lora-rank 0 (full fine-tuning) returns the model itself."""
+    if args.lora_rank == 0:
+        return model
+    if args.lora_rank < 0 or not 0 <= args.lora_dropout < 1:
+        fail(f"--lora-rank {args.lora_rank} --lora-dropout {args.lora_dropout}: the rank is 0 or more, the dropout in [0, 1)")
+    try:
+        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    except ImportError:
+        fail("--lora-rank needs the peft package: pip install peft")
+    targets = args.lora_target_modules
+    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, task_type="CAUSAL_LM",
+                        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")])
+    try:
+        model = get_peft_model(model, config)
+    except ValueError as e:  # a target name the model does not have
+        fail(f"--lora-target-modules {targets}: {(str(e).strip() or '?').splitlines()[0]}")
+    if adapter is not None:
+        from safetensors.torch import load_file
+
+        set_peft_model_state_dict(model, load_file(adapter / "adapter_model.safetensors", device=str(next(model.parameters()).device)))
+    return model
+
+
+def hf_model(model):
+    """The HF model itself: the one inside a LoRA wrapper, or `model`."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def lora_scaling(model) -> float:
+    """alpha / r of the model's adapters (0 without LoRA)."""
+    config = getattr(model, "peft_config", {}).get("default")
+    return config.lora_alpha / config.r if config is not None else 0.0
+
+
+def merged_weights(named, scaling: float):
+    """The plain HF model's (name, tensor), from a LoRA model's: each adapted layer's W + scaling B A, peft's name prefix
+    and `base_layer` dropped. A layer is yielded once its W, A and B have all come. A plain model's pass through."""
+    held = defaultdict(dict)
+    for name, tensor in named:
+        name = name.removeprefix("base_model.model.")
+        if name.endswith(".base_layer.weight"):
+            key, part = name.replace(".base_layer.", "."), "W"
+        elif ".lora_A." in name or ".lora_B." in name:
+            layer, rest = name.split(".lora_", 1)
+            key, part = layer + ".weight", rest[0]
+        else:
+            yield name.replace(".base_layer.", "."), tensor
+            continue
+        held[key][part] = tensor
+        if len(held[key]) == 3:
+            w = held.pop(key)
+            yield key, w["W"] + scaling * (w["B"] @ w["A"])
+
+
+# ----------------------------------------------------------------------------------------------
 # One GPU or many: under torchrun each rank plays its own task groups and FSDP2 shards training.
 # ----------------------------------------------------------------------------------------------
 def init_distributed(args: Args):
@@ -399,7 +470,7 @@ def shard_model(model, use_bf16: bool):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_bf16 else MixedPrecisionPolicy()
-    for layer in model.model.layers:
+    for layer in hf_model(model).model.layers:
         fully_shard(layer, mp_policy=policy)
     return fully_shard(model, mp_policy=policy)
 
@@ -527,18 +598,20 @@ def make_vllm(args: Args, model, tokenizer, device: torch.device, use_bf16: bool
 def sync_vllm_weights(llm, model, sleeping: bool) -> None:
     """The trained weights into the engine, in place, by vLLM's own reload (0.18+): it reruns each layer's loader and
     post-processing, so it works where the CPU backend repacked them (a bare load_weights fails there). The engine is
-    untied: a tied embedding goes in as the head too."""
+    untied: a tied embedding goes in as the head too. Under LoRA it gets the merged weights, W + (alpha / r) B A in fp32,
+    then cast as the rest: the engine serves a plain model."""
     if sleeping:
         torch.cuda.empty_cache()
         llm.wake_up(tags=["weights"])
-    dtype, head = llm.llm_engine.model_config.dtype, model.get_output_embeddings()
-    head_name = next(name for name, module in model.named_modules() if module is head) + ".weight"
-    tied = head.weight is model.get_input_embeddings().weight
+    dtype, base = llm.llm_engine.model_config.dtype, hf_model(model)
+    names = {module: name for name, module in base.named_modules()}
+    embed, head = base.get_input_embeddings(), base.get_output_embeddings()
+    embed_name, head_name, tied = names[embed] + ".weight", names[head] + ".weight", head.weight is embed.weight
 
-    def weights():  # one gathered tensor at a time
-        for name, param in model.named_parameters():
-            full = (param.full_tensor() if hasattr(param, "full_tensor") else param).detach().to(dtype)
-            yield from [(name, full), (head_name, full)] if tied and param is head.weight else [(name, full)]
+    def weights():  # one gathered (and merged) tensor at a time
+        for name, full in merged_weights(full_parameters(model), lora_scaling(model)):
+            full = full.detach().to(dtype)
+            yield from [(name, full), (head_name, full)] if tied and name == embed_name else [(name, full)]
 
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
     if sleeping:
@@ -969,8 +1042,8 @@ def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tok
     distribution the rollout sampled from: softmax(logits / temperature), as verl computes them.
     Logits exist only for response positions, `chunk_tokens` rows at a time; with grad, each
     chunk is recomputed in backward instead of keeping full-vocabulary logits alive."""
-    captured = []  # the final norm's output, i.e. what lm_head reads
-    hook = model.model.norm.register_forward_hook(lambda module, inputs, output: captured.append(output))
+    captured, lm_head = [], hf_model(model).lm_head  # the final norm's output, i.e. what lm_head reads
+    hook = hf_model(model).model.norm.register_forward_hook(lambda module, inputs, output: captured.append(output))
     try:  # the model's own forward (FSDP gathers the root weights), with a single logit position
         model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
     finally:
@@ -983,10 +1056,9 @@ def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tok
     for start in range(0, targets.shape[0], chunk_tokens):
         h, y = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         if torch.is_grad_enabled():
-            logp, entropy = torch.utils.checkpoint.checkpoint(_chunk_logprobs, model.lm_head, h, y, temperature,
-                                                              use_reentrant=False)
+            logp, entropy = torch.utils.checkpoint.checkpoint(_chunk_logprobs, lm_head, h, y, temperature, use_reentrant=False)
         else:
-            logp, entropy = _chunk_logprobs(model.lm_head, h, y, temperature)
+            logp, entropy = _chunk_logprobs(lm_head, h, y, temperature)
         logps.append(logp)
         entropies.append(entropy)
     return torch.cat(logps), torch.cat(entropies)
@@ -1040,7 +1112,8 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
     weighs a token by 1 / its micro-batch's tokens; the two agree when micro-batches hold equal token counts).
     Every pass (old, reference, new) scores softmax(logits / temperature), the distribution the
     rollout sampled from (verl); a step whose gradient norm is not finite is skipped and counted.
-    `sampler`: what drew the samples, with the log-probs it kept (Sampler's docstring has the rule for pi_old)."""
+    `sampler`: what drew the samples, with the log-probs it kept (Sampler's docstring has the rule for pi_old).
+    `ref_model` may be `model` itself under LoRA: the reference is then the base, scored with the adapters off."""
     # ALGO LOGIC: mixed-policy update. Old log-probs under the prompts actually used (x_guided for
     # guided steps: the behaviour policy); the training forward and the KL reference re-encode every
     # step with its unguided prompt, so ratio = pi_theta(y | x_unguided) / pi_old(y | x_guided).
@@ -1055,9 +1128,9 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
     # its old log-probs from its own training forward (detached, at the same temperature as the no-grad
     # pass: ratio exactly 1) and keeps them for later epochs. Only the samples trained after a step need
     # the separate no-grad pass, and so do guided samples, whose behaviour
-    # prompt is not the one trained on.
+    # prompt is not the one trained on. (LoRA dropout makes a training forward another function: then every sample takes it.)
     guided = [i for i in range(len(prompts)) if unguided_prompts is not None and unguided_prompts[i] != prompts[i]]
-    stale = sorted(set(range(len(prompts))) - set(epochs[0][0].tolist()) | set(guided))
+    stale = sorted(set(range(len(prompts))) - set(epochs[0][0].tolist() if not args.lora_dropout else []) | set(guided))
     # A stale sample trained exactly as it was sampled (same prompt, response and temperature) by the trained module
     # itself keeps the log-probs of its sampling pass; the others (vLLM's samples, torchrun's sampling copy, a
     # prompt the method rewrote) take the no-grad pass.
@@ -1070,7 +1143,8 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
     t0 = time.perf_counter()
     old_logps.update(zip(rest, recompute_logprobs(model, [prompts[i] for i in rest], [responses[i] for i in rest], args, pad_id, autocast)))
     prompts = unguided_prompts if unguided_prompts is not None else prompts
-    ref_logps = recompute_logprobs(ref_model, prompts, responses, args, pad_id, autocast) if ref_model is not None else None
+    with model.disable_adapter() if ref_model is model else contextlib.nullcontext():  # LoRA: pi_ref = the base
+        ref_logps = recompute_logprobs(ref_model, prompts, responses, args, pad_id, autocast) if ref_model is not None else None
     unguided_logps = recompute_logprobs(model, [prompts[i] for i in guided], [responses[i] for i in guided], args,
                                         pad_id, autocast)
     logprob_s = time.perf_counter() - t0
@@ -1215,7 +1289,8 @@ def save_checkpoint(run_dir: Path, model, plain_model, tokenizer, optimizer, ite
                     method_state: dict, rank: int) -> None:
     """HF model (gathered full weights) + optimizer (torch.distributed.checkpoint, sharded as
     trained) + per-rank RNG + iteration + method state. Written in full to checkpoint.tmp, then
-    swapped in by two renames; finish_checkpoint_swap recovers a kill at any point of the swap."""
+    swapped in by two renames; finish_checkpoint_swap recovers a kill at any point of the swap.
+    Under LoRA, `model` is the merged model (what --model and vLLM load) and `adapter` peft's adapter (what a resume reads)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
@@ -1227,7 +1302,9 @@ def save_checkpoint(run_dir: Path, model, plain_model, tokenizer, optimizer, ite
     barrier()
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:  # plain_model: an unwrapped HF model of the same class, so config.json names the real architecture
-        plain_model.save_pretrained(tmp / "model", state_dict=weights)
+        if hasattr(plain_model, "peft_config"):
+            plain_model.save_pretrained(tmp / "adapter", state_dict=weights)
+        hf_model(plain_model).save_pretrained(tmp / "model", state_dict=dict(merged_weights(weights.items(), lora_scaling(plain_model))))
         tokenizer.save_pretrained(tmp / "model")
         torch.save({"iteration": iteration, "method": method_state}, tmp / "trainer_state.pt")
         (tmp / "args.json").write_text(json.dumps(asdict(args), indent=2))
@@ -1280,6 +1357,8 @@ def check_checkpoint(ckpt: Path) -> None:
     for name in weights:
         readable(f"model/{name}", lambda p: safe_open(p, "pt").keys())
     readable("optimizer/.metadata", lambda p: dcp.FileSystemReader(str(p.parent)).read_metadata())
+    if json.loads((ckpt / "args.json").read_text()).get("lora_rank"):
+        readable("adapter/adapter_model.safetensors", lambda p: safe_open(p, "pt").keys())
 
 
 def load_checkpoint(run_dir: Path, model, optimizer, task_rng, rank: int) -> tuple[int, dict]:
@@ -1394,15 +1473,16 @@ if __name__ == "__main__":
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)  # noqa: E731
 
     # Policy, reference, generator, optimizer
-    policy_path = args.resume + "/checkpoint/model" if args.resume else args.model
+    policy_path = args.resume + "/checkpoint/model" if args.resume and not args.lora_rank else args.model  # LoRA: the base
     tokenizer, model = load_policy(policy_path, device)
     ref_model = None
-    if args.kl_coef > 0:  # pi_ref, the initial policy: on a fresh run a copy of it (a second load would dequantize a GGUF again)
+    if args.kl_coef > 0 and not args.lora_rank:  # pi_ref, the initial policy: a copy (a second load would dequantize a GGUF again)
         ref_model = (load_policy(args.model, device)[1] if args.resume else copy.deepcopy(model)).requires_grad_(False).eval()
         if use_bf16:
             ref_model.to(torch.bfloat16)  # frozen: bf16 storage loses nothing that is trained
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = add_lora(model, args, Path(args.resume) / "checkpoint" / "adapter" if args.resume else None)
     llm = make_vllm(args, model, tokenizer, device, use_bf16, world_size)
     if llm is not None:
         random.seed(args.seed + rank)  # vLLM re-seeds the global RNGs while it starts
@@ -1419,7 +1499,10 @@ if __name__ == "__main__":
     generate.sync(model)  # vLLM's first weights: it was built with none, and takes them as after every update
     if ref_model is not None and world_size > 1:
         ref_model = shard_model(ref_model, use_bf16)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    if args.kl_coef > 0 and args.lora_rank:  # LoRA: pi_ref is the frozen base itself, scored with the adapters off
+        ref_model = model
+    trained_params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone have optimizer state
+    optimizer = torch.optim.AdamW(trained_params, lr=args.learning_rate, weight_decay=args.weight_decay)
     update_generator = torch.Generator().manual_seed(args.seed + rank)
 
     # Tasks: training tasks sampled per iteration; a fixed held-out list for evaluation

@@ -49,6 +49,32 @@ def test_two_process_update_matches_one_process(tiny_model, tmp_path):
         assert dist["metrics"][key] == pytest.approx(single[key], rel=1e-5, abs=1e-8), key
 
 
+def test_two_process_lora_update_matches_one_process(tiny_model, tmp_path):
+    """--lora-rank under FSDP2: the frozen base is sharded with the adapters, only the adapters have optimizer state
+    and move, the reference is the base (adapters off on a sharded model), and the update equals one process's."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import dist_update_check as check
+
+    out = torchrun("tests/dist_update_check.py", tiny_model, str(tmp_path / "dist.pt"), "lora")
+    assert out.returncode == 0, out.stderr[-3000:]
+    dist = torch.load(tmp_path / "dist.pt", weights_only=False)
+
+    model = check.lora_model(tiny_model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    single = check.update(model, list(range(len(check.PROMPTS))), False, lora=True)
+    moved = 0.0
+    for name, value in model.state_dict().items():
+        assert torch.allclose(dist["weights"][name], value, atol=1e-6, rtol=1e-5), name
+        if "lora_" in name:
+            moved = max(moved, (value - before[name]).abs().max().item())
+        else:
+            assert torch.equal(dist["weights"][name], before[name]), name  # the base stayed frozen on both ranks
+    assert moved > 1e-4
+    assert single["losses/kl"] > 1e-4  # the base as reference differs from the policy
+    for key in ["losses/policy_loss", "losses/entropy", "losses/kl", "losses/grad_norm", "perf/optimizer_steps"]:
+        assert dist["metrics"][key] == pytest.approx(single[key], rel=1e-5, abs=1e-8), key
+
+
 def test_dapo_filter_fills_the_batch_over_ranks_and_updates_as_one_process(tiny_model, tmp_path):
     """--filter-groups over two ranks: rank 0's surplus informative groups fill rank 1's shortfall (3 groups
     trained on rank 0, 1 on rank 1: tests/dist_filter_check.py's rounds), and the update equals one process's."""

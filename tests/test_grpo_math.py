@@ -276,7 +276,8 @@ def sgd_by_hand(model, ref, minibatches: list, lr, clip_eps, kl_coef, entropy_co
             tokens += len(logp)
         with torch.no_grad():
             for p in model.parameters():
-                p -= lr * p.grad
+                if p.grad is not None:  # a LoRA model's frozen base has none
+                    p -= lr * p.grad
     return kl_sum / tokens, entropy_sum / tokens
 
 
