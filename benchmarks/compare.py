@@ -13,7 +13,8 @@ One command drives the scripts through their command line, as a user would:
    list (StraTA: N strategies x M episodes = the same episodes per task).
 3. Cold runs: grpo.py and actguide.py from the base model (no SFT), same env.
 4. Diagnostics runs, one seed each: pats.py --no-adapt (the paper's token comparator) and strata.py
-   --no-judgment (whether its self-judgment penalty is what drives its winless groups' updates).
+   --no-judgment (whether its self-judgment penalty is what drives its winless groups' updates); grpo.py
+   --lora-rank 16 on seeds 1 and 2 (variants lora16-1, lora16-2: `--stage diagnostics --variants lora16-1 lora16-2`).
 5. Seeds 3 and 4 (`--stage seeds34`, issue 41): grpo.py, proas.py, gigpo.py and proas.py --base gigpo from the
    same warm start on two new seeds, 64 held-out games each, generated with vLLM; the test stated before the runs
    (benchmarks/README.md) is computed by `replication` into compare.json's "replication".
@@ -68,6 +69,9 @@ DIAGNOSTIC_RUNS = [
     # PATS's token comparator, the whole bank never cut; seed 2, where the bank outgrew the 6-item cut (seed 1's never did)
     ("pats.py", ["--no-adapt"], "no-adapt", 2),
     ("strata.py", ["--no-judgment"], "no-judgment", 1),  # seed 1: winless groups' only contrast was the judge's penalty
+    # issue 40: grpo.py with LoRA rank 16 beside its full fine-tuning runs; lr 10x the full runs' 1e-5, untuned
+    ("grpo.py", ["--lora-rank", "16", "--learning-rate", "1e-4"], "lora16-1", 1),
+    ("grpo.py", ["--lora-rank", "16", "--learning-rate", "1e-4"], "lora16-2", 2),
 ]
 
 
