@@ -1574,7 +1574,8 @@ def save_checkpoint(run_dir: Path, model, plain_model, tokenizer, optimizer, ite
     """HF model (gathered full weights) + optimizer (torch.distributed.checkpoint, sharded as
     trained) + per-rank RNG + iteration + method state. Written in full to checkpoint.tmp, then
     swapped in by two renames; finish_checkpoint_swap recovers a kill at any point of the swap.
-    Under LoRA, `model` is the merged model (what --model and vLLM load) and `adapter` peft's adapter (what a resume reads)."""
+    Under LoRA the folder `model/` holds the merged weights (what --model and vLLM load), `adapter/` peft's adapter (what
+    a resume reads)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
