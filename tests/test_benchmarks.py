@@ -246,6 +246,12 @@ def test_compare_setting_lists_every_seed_and_method_of_one_setting(monkeypatch,
     plan = module.plan_runs(module.Args(stage="diagnostics", variants=("no-judgment", "no-adapt"), runs_dir=tmp_path))
     assert [(p[1], p[2], p[3], p[5].name) for p in plan] == [("strata.py", 1, ["--no-judgment"], "strata-no-judgment-seed1"),
                                                               ("pats.py", 2, ["--no-adapt"], "pats-no-adapt-seed2")]
+    # which sampler made a run is recorded where its flags say: seeds 3/4 and the LoRA runs use vLLM, older runs HF
+    seeds34 = module.plan_runs(module.Args(stage="seeds34", runs_dir=tmp_path))
+    lora = module.plan_runs(module.Args(stage="diagnostics", variants=("lora16-1",), runs_dir=tmp_path))
+    assert {module.generation_of(p[3]) for p in seeds34 + lora} == {"vllm"}
+    assert [module.generation_of(p[3]) for p in plan] == [None, None]
+    assert module.generation_of(["--vllm", "True", "--vllm", "False"]) == "hf"
     with pytest.raises(SystemExit, match="no-such: not a diagnostic run"):
         # max_minutes=0: were the check gone, main would stop at the deadline instead of training
         module.main(module.Args(stage="diagnostics", variants=("no-such",), max_minutes=0, runs_dir=tmp_path, out=tmp_path / "c.json"))
