@@ -647,8 +647,9 @@ def main(args: Args) -> None:
             entry["variant"] = variant
         if args.stage == "seeds34":
             entry["num_eval_tasks"] = 64
-        if generation_of(variant_flags):
-            entry["generation"] = generation_of(variant_flags)
+        generation = generation_of(flags)  # --extra-flags and the variant's flags both count
+        if generation:
+            entry["generation"] = generation
         record(result, entry, args.out)
     report(args, result)
 

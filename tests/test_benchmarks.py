@@ -112,7 +112,7 @@ def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_mo
     flags = ["--stage", "warm", "--model", tiny_model, "--env", "cooking", "--seeds", "1", "--methods", "grpo.py",
              "--sft-num-tasks", "1", "--sft-epochs", "1", "--sft-num-eval-tasks", "1", "--iterations", "1", "--num-tasks", "1", "--group-size", "2",
              "--max-steps", "2", "--max-new-tokens", "8", "--num-eval-tasks", "1", "--eval-every", "1",
-             "--extra-flags=--no-gradient-checkpointing --num-env-workers 1 --bf16 False", "--out", str(out), "--runs-dir", str(runs)]
+             "--extra-flags=--no-gradient-checkpointing --num-env-workers 1 --bf16 False --vllm False", "--out", str(out), "--runs-dir", str(runs)]
     bench("compare.py", *flags, timeout=900)
     r = load(out)
     assert r["sft"]["eval_success"][0][0] == 0 and "sft.py" in r["sft"]["command"]
@@ -123,6 +123,7 @@ def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_mo
     assert str(runs / "warm-start") in warm["command"] and warm["iteration_s"] > 0 and warm["prompt_tokens"][0][1] > 0
     assert [i for i, _ in warm["policy"]["losses/entropy"]] == [1] and warm["policy"]["losses/entropy"][0][1] > 0
     # runs may come from different CPUs
+    assert warm["generation"] == "hf"  # the sampler its flags named (--extra-flags here)
     assert warm["machine"]["cpus"] == os.cpu_count() and "cpu_bf16" in warm["machine"] and "cpu" in warm["machine"]
     assert warm["warm_start"]["run_dir"] == r["sft"]["run_dir"] and warm["warm_start"]["nll"] == r["sft"]["nll"]  # and warm starts
     (row,) = r["table"]
@@ -134,7 +135,8 @@ def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_mo
     assert " ... -> " not in again.stdout and len(load(out)["runs"]) == 1
     typed = load(out)["sft"]["command"].split()  # rebuilt from args.json, it must parse: tyro booleans are --x/--no-x,
     assert "--no-vllm-sleep" in typed and "--torch-deterministic" in typed and "--no-track" in typed
-    assert typed[typed.index("--bf16") + 1] == "False" and typed.count("False") == 1 and "True" not in typed  # Optional[bool]: --bf16 False
+    assert typed[typed.index("--bf16") + 1] == "False" and typed[typed.index("--vllm") + 1] == "False"  # Optional[bool]: --bf16 False
+    assert typed.count("False") == 2 and "True" not in typed
     # one more iteration resumes that run in its own folder, and its entry reads that folder's metrics
     bench("compare.py", *[("2" if f == "1" and flags[k - 1] == "--iterations" else f) for k, f in enumerate(flags)], timeout=600)
     (warm,) = load(out)["runs"]
