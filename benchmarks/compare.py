@@ -80,6 +80,8 @@ DIAGNOSTIC_RUNS = [
 REPLICATION_SEEDS = (3, 4)
 REPLICATION_RUNS = [("grpo.py", [], ""), ("proas.py", [], ""), ("gigpo.py", [], ""), ("proas.py", ["--base", "gigpo"], "base-gigpo")]
 REPLICATION_FLAGS = ["--num-eval-tasks", "64", "--vllm", "True"]  # the last of a repeated flag wins
+# runs whose seconds do not measure the script alone on the machine: kept out of the time ratios (their wins count)
+NOT_TIMED_ALONE = {("grpo.py", "sft", 3, ""): "its iterations 1-3 ran beside the LoRA runs (issue 40) on the same two cores"}
 
 
 @dataclass
@@ -351,7 +353,8 @@ def table(result: dict) -> list[dict]:
                 continue
             first = [r["eval_success"][0][1] for r in mine]
             last = [r["eval_success"][-1][1] for r in mine]
-            timed = [r for r in mine if r["seed"] in base and r["iteration_s"] and same_machine(r, base[r["seed"]])]
+            timed = [r for r in mine if r["seed"] in base and r["iteration_s"] and same_machine(r, base[r["seed"]])
+                     and run_key(r) not in NOT_TIMED_ALONE and run_key(base[r["seed"]]) not in NOT_TIMED_ALONE]
             ratios = [r["iteration_s"] / base[r["seed"]]["iteration_s"] for r in timed]
             rows.append({
                 "start": start, "script": script, "seeds": [r["seed"] for r in mine],
@@ -365,10 +368,12 @@ def table(result: dict) -> list[dict]:
                 "games_per_seed": [games_of(r, n_games) for r in mine],
                 "vllm_seeds": [r["seed"] for r in mine if r.get("generation") == "vllm"],
                 "train_success_last": float(np.mean([r["train_success"][-1][1] for r in mine if r["train_success"]])),
-                "iteration_s": float(np.mean([r["iteration_s"] for r in mine if r["iteration_s"]])),
+                "iteration_s": float(np.mean(alone)) if (alone := [r["iteration_s"] for r in mine if r["iteration_s"]
+                                                                   and run_key(r) not in NOT_TIMED_ALONE]) else None,
                 "iteration_s_per_seed": [r["iteration_s"] for r in mine],  # seeds may have run on different CPUs
                 "time_ratio_to_grpo": float(np.mean(ratios)) if ratios else None,
                 "time_ratio_seeds": [r["seed"] for r in timed],
+                "not_timed_alone_seeds": [r["seed"] for r in mine if run_key(r) in NOT_TIMED_ALONE],
                 "prompt_tokens_per_iteration": float(np.mean([v for r in mine for _, v in r["prompt_tokens"]])),
                 "response_tokens_per_iteration": float(np.mean([v for r in mine for _, v in r["response_tokens"]])),
                 **against_grpo(mine, base, n_games),
@@ -380,6 +385,12 @@ def table(result: dict) -> list[dict]:
 def changes(row: dict) -> str:
     ps = row.get("fisher_p_per_seed") or [None] * len(row["change_per_seed"])
     return ", ".join(f"{c:+.3f}" + (f" (p {p:.2g})" if p is not None else "") for c, p in zip(row["change_per_seed"], ps))
+
+
+def seconds(row: dict) -> str:
+    """Seconds per iteration, per seed; a seed that did not run alone on its machine is starred."""
+    alone = lambda seed: "" if seed not in row.get("not_timed_alone_seeds", []) else "*"  # noqa: E731
+    return ", ".join(f"{v:.0f}{alone(seed)}" for seed, v in zip(row["seeds"], row.get("iteration_s_per_seed") or [row["iteration_s"]]) if v)
 
 
 def markdown(rows: list[dict]) -> str:
@@ -394,7 +405,7 @@ def markdown(rows: list[dict]) -> str:
             if r["time_ratio_to_grpo"] else ""
         lines.append(f"| {r['start']} | {r['script']} | {r['eval_start']:.3f} -> {r['eval_end']:.3f} "
                      f"({r['eval_end_range'][0]:.3f}-{r['eval_end_range'][1]:.3f}) | "
-                     f"{changes(r)} | {vs} | {', '.join(f'{v:.0f}' for v in r.get('iteration_s_per_seed') or [r['iteration_s']] if v)}{ratio} | "
+                     f"{changes(r)} | {vs} | {seconds(r)}{ratio} | "
                      f"{r['prompt_tokens_per_iteration']:.0f} / {r['response_tokens_per_iteration']:.0f} | {r['paper']} |")
     return "\n".join(lines)
 
@@ -514,25 +525,34 @@ def plot(result: dict, path: Path) -> None:
     plt = pyplot()
     if plt is None:
         return
-    starts = [s for s in ("sft", "cold") if any(r["start"] == s for r in result["runs"])]
-    fig, axes = plt.subplots(1, max(1, len(starts)), figsize=(7 * max(1, len(starts)), 4.5), squeeze=False)
-    for ax, start in zip(axes[0], starts):
-        runs = [r for r in result["runs"] if r["start"] == start and not r.get("variant") and r["eval_success"]]
-        for script in dict.fromkeys(r["script"] for r in runs):
-            curves = [dict(map(tuple, r["eval_success"])) for r in runs if r["script"] == script]
+    s = result.get("setting", {})
+    # seeds 3 and 4 play twice the games with another sampler: their own panel, not averaged into seeds 1 and 2
+    panels = [(f"warm start (sft.py), {s.get('num_eval_tasks')} held-out games", "sft", lambda seed: seed not in REPLICATION_SEEDS),
+              ("warm start, seeds 3 and 4: 64 held-out games, vLLM", "sft", lambda seed: seed in REPLICATION_SEEDS),
+              (f"cold start (no SFT), {s.get('num_eval_tasks')} held-out games", "cold", lambda seed: True)]
+    name = lambda r: r["script"] + (" --base gigpo" if r.get("variant") == "base-gigpo" else "")  # noqa: E731
+    panels = [(title, [r for r in result["runs"] if r["start"] == start and keep(r["seed"]) and r["eval_success"]
+                       and r.get("variant", "") in ("", "base-gigpo")]) for title, start, keep in panels]
+    panels = [(title, runs) for title, runs in panels if runs]
+    scripts = list(dict.fromkeys(name(r) for r in result["runs"]))
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(7 * max(1, len(panels)), 4.5), squeeze=False)
+    for ax, (title, runs) in zip(axes[0], panels):
+        for script in dict.fromkeys(name(r) for r in runs):
+            curves = [dict(map(tuple, r["eval_success"])) for r in runs if name(r) == script]
             xs = sorted(set.intersection(*(set(c) for c in curves)))
             ys = np.array([[c[x] for x in xs] for c in curves])
-            line = ax.plot(xs, ys.mean(0), marker="o", label=f"{script} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")[0]
+            line = ax.plot(xs, ys.mean(0), marker="o", color=f"C{scripts.index(script)}",  # one colour per script in every panel
+                           label=f"{script} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")[0]
             ax.fill_between(xs, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.15)
-        ax.set_title(f"{'warm start (sft.py)' if start == 'sft' else 'cold start (no SFT)'}: held-out success")
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel("held-out success")
         ax.set_xlabel("iteration")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    s = result.get("setting", {})
     fig.suptitle(f"{s.get('env')}, SmolLM2-135M: {s.get('num_tasks')} tasks x {s.get('group_size')} episodes, lr {s.get('learning_rate')}, "
                  f"invalid penalty {s.get('invalid_penalty', 0.1)}\n"
-                 f"eval on {s.get('num_eval_tasks')} held-out games at T={s.get('eval_temperature')}; band: min-max over seeds",
+                 f"eval on each seed's held-out games at T={s.get('eval_temperature')}; band: min-max over seeds",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -209,6 +209,15 @@ def test_compare_time_ratio_uses_only_seeds_timed_on_grpos_machine(monkeypatch):
     assert gigpo["time_ratio_to_grpo"] == pytest.approx(1.2) and gigpo["time_ratio_seeds"] == [1]
     assert grpo["seeds"] == [1, 2] and grpo["iteration_s_per_seed"] == [10.0, 20.0] and grpo["time_ratio_seeds"] == [1, 2]
     assert "| 12, 9 (x1.20, seeds 1) |" in module.markdown(rows)
+    # seed 3 on the Xeon, but grpo.py shared the cores with other work there (50 s): its pair leaves the ratio and
+    # grpo.py's mean, and its seconds are starred
+    monkeypatch.setattr(module, "NOT_TIMED_ALONE", {("grpo.py", "sft", 3, ""): "beside another run"})
+    grpo, gigpo = module.table({"setting": {"num_eval_tasks": 2}, "runs": [
+        run("grpo.py", 2, 20.0, epyc), run("grpo.py", 1, 10.0, xeon), run("grpo.py", 3, 50.0, xeon),
+        run("gigpo.py", 1, 12.0, xeon), run("gigpo.py", 2, 9.0, xeon), run("gigpo.py", 3, 11.0, xeon)]})
+    assert gigpo["time_ratio_to_grpo"] == pytest.approx(1.2) and gigpo["time_ratio_seeds"] == [1]  # not (1.2 + 0.22) / 2
+    assert grpo["iteration_s"] == pytest.approx(15.0) and grpo["not_timed_alone_seeds"] == [3]  # (10 + 20) / 2
+    assert "| 10, 20, 50* (x1.00, seeds 1,2) |" in module.markdown([grpo])
 
 
 def test_compare_end_against_grpo_pools_wins_over_the_seeds_both_ran(monkeypatch):
