@@ -20,7 +20,8 @@ One command drives the scripts through their command line, as a user would:
    (benchmarks/README.md) is computed by `replication` into compare.json's "replication".
 
 Resumable: each run writes a checkpoint every iteration; a finished run is skipped, an unfinished
-one continues with --resume, and each run's entry in benchmarks/results/compare.json is written
+one continues with --resume, a run that compare.json holds to the last iteration with the same flags is kept
+even where its folder is gone (a fresh machine rebuilds the warm start and runs only what is missing), and each run's entry in benchmarks/results/compare.json is written
 the moment it lands. `--max-minutes` kills the run in progress at the limit (it resumes next time).
 The held-out list is the whole 128-game test split of cooking-easy's level when --num-eval-tasks
 is 128, or its first --num-eval-tasks games by seed: the same list for every script of a seed.
@@ -197,6 +198,20 @@ def run_dir_of(output_dir: Path) -> Path | None:
 
 def finished(run_dir: Path | None, last: int) -> bool:
     return run_dir is not None and last in read_metrics(run_dir) and (run_dir / "checkpoint" / "trainer_state.pt").exists()
+
+
+def recorded(result: dict, key: tuple, flags: list[str], last: int) -> dict | None:
+    """The entry of a run that compare.json already holds to iteration `last` with these flags, whose folder is
+    gone (a run folder does not outlive its machine): kept rather than rerun. The warm start's path is not
+    compared, since a rebuilt warm start lands in a new folder; every other flag must match."""
+    def without_model(words: list[str]) -> list[str]:
+        return [w for k, w in enumerate(words) if w != "--model" and (k == 0 or words[k - 1] != "--model")]
+
+    for entry in result["runs"]:
+        if run_key(entry) == key and at(entry["train_success"], last) is not None:
+            if without_model(shlex.split(entry["command"])[2:]) == without_model(flags):
+                return entry
+    return None
 
 
 def drive(script: str, flags: list[str], output_dir: Path, last: int, deadline: float, count_flag: str) -> dict | None:
@@ -595,10 +610,11 @@ def plan_runs(args: Args) -> list[tuple[str, str, int, list[str], str, Path]]:
         plan += [("cold", s, seed, [], "") for seed in args.seeds for s in args.cold_methods]
     if args.stage in ("all", "diagnostics"):
         plan += [("sft", by_name[v][0], by_name[v][2], by_name[v][1], v) for v in args.variants]
-    if args.stage == "seeds34":  # not part of "all": its own stated test; the hypothesis' pair first, on both seeds
+    if args.stage == "seeds34":  # not part of "all": its own stated test; the hypothesis' pair first, on both seeds,
+        # then gigpo.py on both (the paper's other base), then proas.py --base gigpo on both
         plan += [("sft", script, seed, [*flags, *REPLICATION_FLAGS], variant)
-                 for pair in (REPLICATION_RUNS[:2], REPLICATION_RUNS[2:]) for seed in REPLICATION_SEEDS
-                 for script, flags, variant in pair]
+                 for group in (REPLICATION_RUNS[:2], REPLICATION_RUNS[2:3], REPLICATION_RUNS[3:]) for seed in REPLICATION_SEEDS
+                 for script, flags, variant in group]
     return [(start, script, seed, flags, variant, args.runs_dir / start / f"{script[:-3]}{'-' + variant if variant else ''}-seed{seed}")
             for start, script, seed, flags, variant in plan]
 
@@ -655,6 +671,9 @@ def main(args: Args) -> None:
     for start, script, seed, variant_flags, variant, out in plan:
         model = warm_model if start == "sft" else base_model
         flags = ["--model", model, *common_flags(args, seed), *method_flags(args, script), *variant_flags]
+        if run_dir_of(out) is None and recorded(result, (script, start, seed, variant), flags, args.iterations):
+            print(f"kept: {start} {script} seed {seed} {variant} as compare.json holds it (its run folder is gone)", flush=True)
+            continue
         info = drive(script, flags, out, args.iterations, deadline, "--total-iterations")
         if info is None:
             print("stopped at the time limit (the run in progress resumes next time)")

@@ -154,6 +154,14 @@ def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_mo
     assert warm["trained_tasks"] == {"1": trained[:1], "2": trained[1:]}
     assert list(warm["eval_won_by_task"]) == ["0", "1", "2"]
     assert all(list(games) == held_out and set(games.values()) <= {0, 1} for games in warm["eval_won_by_task"].values())
+    # on a fresh machine the run folder is gone: a run compare.json holds to its last iteration with the same flags
+    # is kept, not rerun (the warm start's path may differ: a rebuilt one lands in a new folder)
+    import shutil
+
+    shutil.rmtree(Path(warm["run_dir"]).parent)
+    two = [("2" if f == "1" and flags[k - 1] == "--iterations" else f) for k, f in enumerate(flags)]
+    kept = bench("compare.py", *two, "--sft-run", str(sft_run), timeout=300)
+    assert "kept: sft grpo.py seed 1" in kept.stdout and " ... -> " not in kept.stdout and load(out)["runs"] == [warm]
     # `--stage report` summarises what landed under the setting it ran with, not the flags of the report call
     bench("compare.py", *flags[2:], "--stage", "report", "--learning-rate", "0.5", timeout=300)
     assert load(out)["setting"]["learning_rate"] == 1e-5 and load(out)["table"][0]["script"] == "grpo.py"
@@ -189,6 +197,24 @@ def test_compare_record_keeps_runs_another_call_wrote_meanwhile(monkeypatch, tmp
     written = json.loads(out.read_text())["runs"]
     runs = {(r["script"], r["start"], r["seed"]): r["eval_success"] for r in written}
     assert len(written) == 3 and runs == {("grpo.py", "sft", 1): [[0, 0.3]], ("grpo.py", "cold", 1): [[0, 0.0]], ("pats.py", "sft", 2): [[0, 0.2]]}
+
+
+def test_compare_keeps_a_recorded_run_only_with_the_same_flags_to_the_last_iteration(monkeypatch):
+    spec = importlib.util.spec_from_file_location("compare", REPO / "benchmarks" / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "compare", module)
+    spec.loader.exec_module(module)
+    entry = {"script": "gigpo.py", "start": "sft", "seed": 3, "train_success": [[1, 0.0], [2, 0.25]],
+             "command": "python gigpo.py --model /old/warm/model --env cooking-easy --seed 3 --learning-rate 1e-05 --vllm True"}
+    result = {"runs": [entry]}
+    flags = ["--model", "/new/warm/model", "--env", "cooking-easy", "--seed", "3", "--learning-rate", "1e-05", "--vllm", "True"]
+    key = ("gigpo.py", "sft", 3, "")
+    assert module.recorded(result, key, flags, 2) is entry  # another warm start folder, every other flag the same
+    assert module.recorded(result, key, flags, 4) is None  # it stopped at iteration 2
+    assert module.recorded(result, key, [f if f != "1e-05" else "2e-05" for f in flags], 2) is None  # another setting
+    assert module.recorded(result, key, flags[:-2], 2) is None  # a flag fewer
+    assert module.recorded(result, ("gigpo.py", "sft", 3, "base-gigpo"), flags, 2) is None  # another variant
+    assert module.recorded(result, ("gigpo.py", "sft", 4, ""), flags, 2) is None
 
 
 def test_compare_time_ratio_uses_only_seeds_timed_on_grpos_machine(monkeypatch):
