@@ -21,8 +21,8 @@ One command drives the scripts through their command line, as a user would:
 
 Resumable: each run writes a checkpoint every iteration; a finished run is skipped, an unfinished
 one continues with --resume, a run that compare.json holds to the last iteration with the same flags is kept
-even where its folder is gone (a fresh machine rebuilds the warm start and runs only what is missing), and each run's entry in benchmarks/results/compare.json is written
-the moment it lands. `--max-minutes` kills the run in progress at the limit (it resumes next time).
+even where its folder is gone (a fresh machine rebuilds the warm start and runs only what is missing), and each
+run's entry in benchmarks/results/compare.json is written the moment it lands. `--max-minutes` kills the run in progress at the limit (it resumes next time).
 The held-out list is the whole 128-game test split of cooking-easy's level when --num-eval-tasks
 is 128, or its first --num-eval-tasks games by seed: the same list for every script of a seed.
 """

@@ -154,6 +154,14 @@ def test_compare_runs_sft_then_each_script_and_resumes_without_rerunning(tiny_mo
     assert warm["trained_tasks"] == {"1": trained[:1], "2": trained[1:]}
     assert list(warm["eval_won_by_task"]) == ["0", "1", "2"]
     assert all(list(games) == held_out and set(games.values()) <= {0, 1} for games in warm["eval_won_by_task"].values())
+    # on a fresh machine the run folder is gone: a run compare.json holds to its last iteration with the same flags
+    # is kept, not rerun (the warm start's path may differ: a rebuilt one lands in a new folder)
+    import shutil
+
+    shutil.rmtree(Path(warm["run_dir"]).parent)
+    two = [("2" if f == "1" and flags[k - 1] == "--iterations" else f) for k, f in enumerate(flags)]
+    kept = bench("compare.py", *two, "--sft-run", str(sft_run), timeout=300)
+    assert "kept: sft grpo.py seed 1" in kept.stdout and " ... -> " not in kept.stdout and load(out)["runs"] == [warm]
     # `--stage report` summarises what landed under the setting it ran with, not the flags of the report call
     bench("compare.py", *flags[2:], "--stage", "report", "--learning-rate", "0.5", timeout=300)
     assert load(out)["setting"]["learning_rate"] == 1e-5 and load(out)["table"][0]["script"] == "grpo.py"
