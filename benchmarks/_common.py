@@ -34,14 +34,14 @@ def smollm2_gguf() -> str | None:
     return str(path) if path.exists() else None
 
 
-def tiny_model(folder: Path | None = None) -> str:
-    """The tests' tiny random Qwen2 with its locally built tokenizer (tests/conftest.py)."""
+def tiny_model(folder: Path | None = None, **kw) -> str:
+    """The tests' tiny random Qwen2 with its locally built tokenizer (tests/conftest.py; `kw`: build_tiny_model's)."""
     folder = Path(folder or tempfile.mkdtemp(prefix="tiny-qwen2-"))
     if not (folder / "config.json").exists():
         spec = importlib.util.spec_from_file_location("_bench_conftest", REPO / "tests" / "conftest.py")
         conftest = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(conftest)
-        conftest.build_tiny_model(folder)
+        conftest.build_tiny_model(folder, **kw)
     return str(folder)
 
 

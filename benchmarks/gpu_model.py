@@ -139,12 +139,12 @@ def bench(a: Bench) -> dict:
             torch.cuda.synchronize()
 
     # warm-up update on a small slice (CUDA context, cuBLAS/attention kernels, optimizer state)
-    grpo.update_policy(model, ref, optimizer, prompts[:4], responses[:4], advantages[:4], args, tokenizer.pad_token_id, autocast, gen)
+    grpo.update_policy(model, ref, optimizer, prompts[:4], responses[:4], advantages[:4], args, autocast, gen)
     sync()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    m = grpo.update_policy(model, ref, optimizer, prompts, responses, advantages, args, tokenizer.pad_token_id, autocast, gen)
+    m = grpo.update_policy(model, ref, optimizer, prompts, responses, advantages, args, autocast, gen)
     sync()
     wall = time.perf_counter() - t0
     real_tokens = m["perf/train_tokens_per_s"] * m["perf/update_s"]
@@ -176,7 +176,7 @@ def bench(a: Bench) -> dict:
         "update_s": m["perf/update_s"],
         "update_plus_logprob_s": wall,
         "update_tokens_per_s": m["perf/train_tokens_per_s"],
-        "padding_efficiency": m["perf/padding_efficiency"],
+        "computed_tokens": m["tokens/computed"],
         "mfu_definition": "6 * params * update_tokens / update_s / peak (forward+backward matmuls; no attention scores, no checkpoint recompute)",
         "peak_flops_assumed": PEAK_BF16,
         "mfu": flops / m["perf/update_s"] / PEAK_BF16,

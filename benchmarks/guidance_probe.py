@@ -87,7 +87,7 @@ def main(args: Args) -> None:
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16)  # noqa: E731
 
     def generate(prompts, temperature, max_new_tokens=None):
-        return actguide.generate_hf(model, tokenizer, prompts, run.max_new_tokens, temperature, run.top_p, autocast, {})
+        return actguide.generate_hf(model, tokenizer, prompts, run.max_new_tokens, temperature, run.top_p, autocast)
 
     train = spec.task_ids("train")
     tasks = [train[i] for i in np.random.default_rng(args.seed).choice(len(train), args.num_tasks, replace=False)]

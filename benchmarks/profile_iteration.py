@@ -82,7 +82,7 @@ def breakdown(row: dict) -> dict:
         "fraction": {k: v / max(total, 1e-9) for k, v in parts.items()},
         "gen_tokens_per_s": row.get("perf/gen_tokens_per_s"),
         "train_tokens_per_s": row.get("perf/train_tokens_per_s"),
-        "padding_efficiency": row.get("perf/padding_efficiency"),
+        "computed_frac": row.get("tokens/computed", 0) / max(row.get("tokens/prompt", 0) + row.get("tokens/response", 0), 1),
         "optimizer_steps": row.get("perf/optimizer_steps"),
         "samples": row.get("tokens/samples"),
         "prompt_tokens": row.get("tokens/prompt"),
@@ -102,10 +102,9 @@ def plot(result: dict, path: Path) -> None:
         vals = np.array([r["seconds"][part] for r in its])
         ax.barh(labels, vals, left=left, label=part)
         left += vals
-    pad = [r["padding_efficiency"] for r in its if r["padding_efficiency"] is not None]
     ax.set_xlabel("seconds")
     ax.set_title(f"{result['script']} iteration time, {Path(result['model']).name} on {result['env']}"
-                 + (f" (padding efficiency {np.mean(pad):.2f})" if pad else ""))
+                 + f" (tokens computed: {np.mean([r['computed_frac'] for r in its]):.2f} of the samples')")
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -133,7 +132,7 @@ def main(args: Args) -> dict:
         "run": {k: info[k] for k in ("command", "returncode", "wall_s", "peak_rss_mb", "run_dir")},
         "iterations": its,
         "mean_fraction": mean_fraction,
-        "mean_padding_efficiency": float(np.mean([r["padding_efficiency"] for r in its])) if its else None,
+        "mean_computed_frac": float(np.mean([r["computed_frac"] for r in its])) if its else None,
         "command": "python benchmarks/profile_iteration.py " + " ".join(sys.argv[1:]),
         "args": {k: str(v) for k, v in asdict(args).items()},
     }
@@ -144,7 +143,7 @@ def main(args: Args) -> dict:
     plot(result, args.out.with_suffix(".png"))
     for r in its:
         print(f"iteration {r['iteration']}: {r['iteration_s']:.1f} s = " + ", ".join(f"{p} {r['fraction'][p]:.0%}" for p in PARTS)
-              + f"; gen {r['gen_tokens_per_s']:.1f} tok/s, train {r['train_tokens_per_s']:.0f} tok/s, padding efficiency {r['padding_efficiency']:.2f}")
+              + f"; gen {r['gen_tokens_per_s']:.1f} tok/s, train {r['train_tokens_per_s']:.0f} tok/s, computed {r['computed_frac']:.2f} of the tokens")
     return result
 
 

@@ -46,7 +46,7 @@ def update(model, episodes: list):
                      entropy_coef=0.001, max_grad_norm=1e9)
     prompts, responses, advantages, _ = grpo.training_batch(episodes, args)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    return grpo.update_policy(model, None, optimizer, prompts, responses, advantages, args, 0,
+    return grpo.update_policy(model, None, optimizer, prompts, responses, advantages, args,
                               lambda: torch.autocast("cpu", enabled=False), torch.Generator().manual_seed(0))
 
 
@@ -63,7 +63,7 @@ if __name__ == "__main__":
         if len(kept) == NUM_TASKS:
             break
     episodes = [e for e in mine if e.group in kept]
-    model = grpo.shard_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), use_bf16=False)
+    model = grpo.shard_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), bf16=False)
     metrics = update(model, episodes)
     samples = grpo.all_gather_objects([sum(len(e.turns) for e in episodes)])
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

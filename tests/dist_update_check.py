@@ -25,7 +25,7 @@ def update(model, samples: list[int], distributed: bool, lora: bool = False):
                      max_grad_norm=1e9, lora_rank=4 * lora)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
     return grpo.update_policy(model, model if lora else None, optimizer, [PROMPTS[i] for i in samples],
-                              [RESPONSES[i] for i in samples], ADVANTAGES[samples], args, 0,
+                              [RESPONSES[i] for i in samples], ADVANTAGES[samples], args,
                               lambda: torch.autocast("cpu", enabled=False), torch.Generator().manual_seed(0))
 
 
@@ -50,7 +50,7 @@ if __name__ == "__main__":
     model_dir, out, lora = sys.argv[1], sys.argv[2], sys.argv[3:] == ["lora"]
     rank, world_size, _ = grpo.init_distributed(grpo.Args(cuda=False))
     model = lora_model(model_dir) if lora else AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = grpo.shard_model(model, use_bf16=False)
+    model = grpo.shard_model(model, bf16=False)
     metrics = update(model, list(range(rank, len(PROMPTS), world_size)), True, lora)
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:

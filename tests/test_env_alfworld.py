@@ -229,10 +229,10 @@ def test_evaluation_plays_both_eval_splits_and_logs_each_apart(tiny_model):
     eval_tasks = {"eval_in_distribution": [MUG, SOAP], "eval_out_of_distribution": [unseen]}
     with envs.EnvRunner(spec, 1) as runner:
         metrics = grpo.evaluate(spec, runner, tokenizer, lambda prompts, temperature: [answer for _ in prompts], args,
-                                eval_tasks, 0, 1)
+                                eval_tasks)
         warm = sft.evaluate_warm_start(spec, runner, tokenizer, lambda prompts, temperature: [answer for _ in prompts],
                                        sft.Args(max_steps=1, history_length=2, max_prompt_tokens=4096, success_reward=10.0,
-                                                invalid_penalty=0.1), eval_tasks, 0, 1)
+                                                invalid_penalty=0.1), eval_tasks)
     for prefix in ("eval", "eval_sampling"):  # sft.py logs both splits apart too, at both of its temperatures
         assert warm[f"{prefix}/eval_in_distribution/success_rate_pick_and_place_simple"] == 0.0
         assert warm[f"{prefix}/eval_out_of_distribution/success_rate_look_at_obj_in_light"] == 0.0

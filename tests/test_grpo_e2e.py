@@ -49,11 +49,9 @@ def logged_lists(row: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def stopped_after_one(tiny_model, tmp_path_factory):
-    """Run B: grpo.py stopped after iteration 1 (its CompletedProcess and run directory), with every
-    progress update printed to its log."""
+    """Run B: grpo.py stopped after iteration 1 (its CompletedProcess and run directory)."""
     output_dir = tmp_path_factory.mktemp("b")
-    out = run_script("grpo.py", "--model", tiny_model, *TINY_FLAGS, "--total-iterations", "1", "--output-dir", str(output_dir),
-                     env={"PROGRESS_LOG_EVERY_S": "0"})
+    out = run_script("grpo.py", "--model", tiny_model, *TINY_FLAGS, "--total-iterations", "1", "--output-dir", str(output_dir))
     assert out.returncode == 0, out.stderr[-3000:]
     return out, only_run(output_dir)
 
@@ -67,20 +65,13 @@ def logged_steps(run_dir: Path, tag: str) -> list[int]:
     return [e.step for e in events.Scalars(tag)]
 
 
-def test_progress_lines_in_a_log_are_whole_lines_per_phase(stopped_after_one):
+def test_a_log_file_gets_one_line_per_iteration_and_no_progress_bars(stopped_after_one):
+    """Progress bars are drawn on a terminal only (test_progress_on_a_terminal_redraws_in_place); a log keeps the
+    per-iteration line."""
     out, _ = stopped_after_one
-    assert "\r" not in out.stderr
-    lines = out.stderr.splitlines()
-    eval_lines = [line for line in lines if line.startswith("eval: ")]
-    rollout_lines = [line for line in lines if line.startswith("rollout: ")]
-    update_lines = [line for line in lines if line.startswith("update: ")]
-    # 2 eval episodes (iterations 0 and 1) and 2 x 2 rollout episodes of at most 3 turns
-    assert eval_lines[0].startswith("eval: 0/3 turns") and "2/2 episodes active" in eval_lines[1]
-    assert any(line.startswith("eval: 1/3 turns") and "tokens/s" in line for line in eval_lines)
-    assert any(line.startswith("rollout: 1/3 turns") and "/4 episodes active" in line for line in rollout_lines)
-    assert update_lines[0].startswith("update: 0/") and update_lines[0].endswith("old log-probs")
-    assert update_lines[-1].split()[1].split("/")[0] == update_lines[-1].split()[1].split("/")[1]  # every sample
-    assert re.search(r"minibatch (\d+)/\1$", update_lines[-1])  # the last minibatch of the update
+    assert "\r" not in out.stderr and "turns" not in out.stderr and "samples" not in out.stderr
+    assert re.search(r"^iter 1: success \d\.\d{3} invalid \d\.\d{3} return -?\d+\.\d{2} \(\d+\.\ds\)$", out.stdout, re.M)
+    assert not out.stderr.strip(), out.stderr  # nothing a user must learn to ignore
 
 
 def test_two_iterations_checkpoint_and_exact_resume(tiny_model, tmp_path, stopped_after_one):
@@ -98,9 +89,7 @@ def test_two_iterations_checkpoint_and_exact_resume(tiny_model, tmp_path, stoppe
     # 2 tasks x 2 episodes, each 1..3 steps: 4..12 step samples, each with its prompt and response
     assert 4 <= metrics[1]["tokens/samples"] <= 12
     assert metrics[1]["tokens/response"] <= 16 * metrics[1]["tokens/samples"]
-    assert 0 < metrics[1]["perf/padding_efficiency"] <= 1
-    # every stale sample (trained after the 1st optimizer step) is trained as it was drawn: pi_old from its sampling pass
-    assert [metrics[k]["perf/old_logprobs_recomputed"] for k in (1, 2)] == [0, 0] and metrics[1]["perf/old_logprobs_sampled"] > 0
+    assert 0 < metrics[1]["tokens/computed"] <= metrics[1]["tokens/prompt"] + metrics[1]["tokens/response"]
     assert "\r" not in straight.stderr and "turns" not in straight.stderr  # a log: no phase lasted a minute
 
     ckpt = run_a / "checkpoint"
@@ -143,7 +132,8 @@ def test_two_iterations_checkpoint_and_exact_resume(tiny_model, tmp_path, stoppe
     assert sorted(read_metrics(run_a)) == [0, 1, 2]
 
 
-def test_a_kill_after_the_swap_leaves_a_checkpoint_that_resumes_and_saves_again(stopped_after_one, tmp_path):
+def test_a_kill_after_the_swap_leaves_a_checkpoint_that_resumes_and_saves_again(stopped_after_one, tmp_path,
+                                                                                 monkeypatch):
     """checkpoint beside a checkpoint.old whose deletion was cut short: the resume reads checkpoint,
     and the next save clears checkpoint.old before its swap."""
     import numpy as np
@@ -154,7 +144,8 @@ def test_a_kill_after_the_swap_leaves_a_checkpoint_that_resumes_and_saves_again(
     run = tmp_path / "run"
     shutil.copytree(stopped_after_one[1], run)
     shutil.copytree(run / "checkpoint" / "model", run / "checkpoint.old" / "model")
-    args = grpo.load_run_args(str(run), grpo.Args(resume=str(run)), {"resume"})
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--resume", str(run)])
+    args = grpo.parse_args(grpo.Args)
     assert args.total_iterations == 1 and args.eval_every == 1 and args.resume == str(run)
     tokenizer, model = grpo.load_policy(str(run / "checkpoint" / "model"), torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters())
@@ -175,12 +166,12 @@ def break_file(path: Path, how: str) -> None:
 @pytest.mark.parametrize(
     "name, how, message",
     [
-        ("model/model.safetensors", "truncate", "checkpoint file {ckpt}/model/model.safetensors is broken"),
+        ("model/model.safetensors", "truncate", "could not load model '{ckpt}/model'"),
         ("trainer_state.pt", "garbage", "checkpoint file {ckpt}/trainer_state.pt is broken"),
         ("args.json", "garbage", "checkpoint file {ckpt}/args.json is broken"),
         ("optimizer/.metadata", "garbage", "checkpoint file {ckpt}/optimizer/.metadata is broken"),
-        ("optimizer/__0_0.distcp", "truncate", "checkpoint folder {ckpt}/optimizer is broken"),
-        ("model/config.json", "delete", "checkpoint {ckpt} lacks model/config.json"),
+        ("optimizer/__0_0.distcp", "truncate", "checkpoint file {ckpt}/optimizer is broken"),
+        ("model/config.json", "delete", "could not load model '{ckpt}/model'"),
         ("checkpoint", "first save cut short", "no checkpoint there (checkpoint.tmp is the unfinished first save)"),
     ],
 )
@@ -205,7 +196,7 @@ def test_a_broken_checkpoint_is_one_line_naming_the_file(stopped_after_one, tmp_
         (["--group-size", "1"], "--group-size must be at least 2"),
         (["--temperature", "0"], "--temperature must be positive"),
         (["--model", "./no/such/model"], "model path ./no/such/model does not exist"),
-        (["--model", "tests"], "model folder tests holds no config.json and no weights"),
+        (["--model", "tests"], "could not load model 'tests'"),
         (["--resume", "/tmp"], "no checkpoint there"),
         (["--env", "alfworld", "--env-data", "/nonexistent"], "run `alfworld-download`"),
     ],
@@ -295,14 +286,14 @@ def test_smollm2_name_resolves_to_the_shipped_gguf_and_loads_as_a_plain_hf_model
     assert tokenizer.decode(ids).startswith("<|im_start|>")  # SmolLM2's own chat template
 
 
-@pytest.mark.parametrize("offline", [{"HF_HUB_OFFLINE": "1"}, {"HF_HUB_OFFLINE": "", "HF_ENDPOINT": "http://127.0.0.1:9"}],
-                         ids=["HF_HUB_OFFLINE", "no route to the hub"])
-def test_a_hub_name_offline_and_not_cached_fails_at_once(tmp_path, offline):
-    env = {**offline, "HF_HOME": str(tmp_path), "HTTPS_PROXY": "", "https_proxy": ""}
+def test_a_hub_name_offline_and_not_cached_fails_at_once(tmp_path):
+    """With HF_HUB_OFFLINE=1 (the way to say there is no network; without it the hub client retries for about a
+    minute), a hub name that is not in the local cache is one line at once."""
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path), "HTTPS_PROXY": "", "https_proxy": ""}
     start = time.monotonic()
     out = run_script("grpo.py", "--model", "Qwen2.5-0.5B-Instruct", "--env", "cooking", timeout=120, env=env)
     assert out.returncode == 2, out.stderr[-3000:]
-    assert "is not a local folder, and the hub is offline" in out.stderr and "Qwen/Qwen2.5-0.5B-Instruct" in out.stderr
+    assert "could not load model 'Qwen2.5-0.5B-Instruct'" in out.stderr
     assert "Traceback" not in out.stderr
     assert time.monotonic() - start < 45  # hub retries took 60 s
 

@@ -25,7 +25,7 @@ def sample(tiny, temperature: float, **settings) -> list[list[int]]:
     args = grpo.Args(cuda=False, max_new_tokens=12, **settings)
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("go north", "take the knife", "eat meal")]
     torch.manual_seed(0)
-    return grpo.Sampler(None, model, tokenizer, args, NO_AUTOCAST, exact=True)(prompts, temperature)
+    return grpo.Sampler(None, model, tokenizer, args, NO_AUTOCAST)(prompts, temperature)
 
 
 def test_top_p_narrows_sampling_to_the_nucleus(tiny):
@@ -41,7 +41,7 @@ def test_the_response_budget_is_args_max_new_tokens_unless_the_call_names_one(ti
     lengths = [len(r) for r in sample(tiny, 1.0)]
     assert max(lengths) == 12 and all(0 < n <= 12 for n in lengths)
     model, tokenizer = tiny
-    sampler = grpo.Sampler(None, model, tokenizer, grpo.Args(cuda=False, max_new_tokens=12), NO_AUTOCAST, exact=True)
+    sampler = grpo.Sampler(None, model, tokenizer, grpo.Args(cuda=False, max_new_tokens=12), NO_AUTOCAST)
     assert max(len(r) for r in sampler([[1, 2, 3]], 1.0, max_new_tokens=5)) <= 5
 
 
@@ -67,22 +67,20 @@ RESPONSES = [[20, 21], [24, 25], [26, 27], [28, 29]]
 
 
 @pytest.mark.parametrize("dual_clip", [3.0, 1.5])
-def test_dual_clip_caps_the_loss_of_negative_steps_whose_ratio_ran_away(tiny, dual_clip):
-    """--dual-clip c through update_policy: every advantage is -1 and the second minibatch's pi_old, kept by the
-    sampler, lies 2 nats below the current policy (ratio e^2 = 7.4 > c). The first minibatch's pi_old is its own
-    forward (ratio 1): loss |A| = 1 per token. The second's is capped at |A| c. Both minibatches hold 4 of the 8
+def test_dual_clip_caps_the_loss_of_negative_steps_whose_ratio_ran_away(tiny, dual_clip, monkeypatch):
+    """--dual-clip c through update_policy: every advantage is -1 and the second minibatch's pi_old, from the no-grad
+    pass, is made to lie 2 nats below the current policy (ratio e^2 = 7.4 > c). The first minibatch's pi_old is its
+    own forward (ratio 1): loss |A| = 1 per token. The second's is capped at |A| c. Both minibatches hold 4 of the 8
     tokens, so policy_loss = (4 * 1 + 4 * c) / 8 = (1 + c) / 2: 2.0 at c = 3, 1.25 at c = 1.5."""
     import copy
 
     model = copy.deepcopy(tiny[0])
     args = grpo.Args(cuda=False, minibatch_size=2, update_epochs=1, temperature=1.0, micro_batch_tokens=4096,
                      dual_clip=dual_clip, kl_coef=0.0)
-    true_old = grpo.recompute_logprobs(model, PROMPTS, RESPONSES, args, 0, NO_AUTOCAST)
-    sampler = grpo.Sampler(None, model, None, args, NO_AUTOCAST, exact=True)
-    sampler.logprobs.update({(1.0, tuple(p), tuple(r)): logp - 2.0 for p, r, logp in zip(PROMPTS, RESPONSES, true_old)})
+    no_grad_pass = grpo.logprobs_no_grad
+    monkeypatch.setattr(grpo, "logprobs_no_grad", lambda *a: [logp - 2.0 for logp in no_grad_pass(*a)])
     metrics = grpo.update_policy(model, None, torch.optim.SGD(model.parameters(), lr=1e-3), PROMPTS, RESPONSES,
-                                 [-1.0] * 4, args, 0, NO_AUTOCAST, torch.Generator().manual_seed(0), sampler=sampler)
-    assert metrics["perf/old_logprobs_sampled"] == 2
+                                 [-1.0] * 4, args, NO_AUTOCAST, torch.Generator().manual_seed(0))
     assert metrics["losses/policy_loss"] == pytest.approx((1 + dual_clip) / 2, rel=1e-6)
 
 

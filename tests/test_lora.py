@@ -38,6 +38,8 @@ def test_merged_weights_are_w_plus_scaling_b_a_under_the_plain_names():
     assert sorted(merged) == ["model.embed_tokens.weight", "model.layers.0.q_proj.bias", "model.layers.0.q_proj.weight"]
     plain = [("model.norm.weight", torch.ones(3)), ("lm_head.weight", w)]
     assert list(grpo.merged_weights(plain, 0.0)) == plain  # full fine-tuning: unchanged
+    with pytest.raises(RuntimeError, match="LoRA layers left unmerged: .'model.layers.0.q_proj.weight'"):
+        list(grpo.merged_weights(named[1:3], 2.0))  # adapters without their base weight are never silently dropped
 
 
 def lora_model(tiny_model: str, module, **lora):
@@ -86,17 +88,17 @@ def test_lora_update_equals_sgd_on_the_adapters_with_the_base_as_reference(tiny_
     assert moved > 1e-3
 
 
-def test_lora_dropout_takes_every_old_logprob_from_a_no_dropout_pass(tiny_model):
+def test_lora_dropout_takes_every_old_logprob_from_a_no_dropout_pass(tiny_model, monkeypatch):
     """Without dropout the first minibatch's own training pass is pi_old (2 of 4 samples recomputed); with dropout that
     pass is another function, so all 4 are."""
-    counts = []
+    counts, no_grad_pass = [], grpo.logprobs_no_grad
+    monkeypatch.setattr(grpo, "logprobs_no_grad", lambda m, p, *a: counts.append(len(p)) or no_grad_pass(m, p, *a))
     for dropout in (0.0, 0.5):
         model = lora_model(tiny_model, grpo, lora_dropout=dropout)
         args = grpo.Args(minibatch_size=2, max_grad_norm=1e9, kl_coef=0.0, lora_rank=4, lora_dropout=dropout)
         optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-        metrics = grpo.update_policy(model, None, optimizer, PROMPTS, RESPONSES, ADVANTAGES, args, 0, NO_AUTOCAST,
-                                     torch.Generator().manual_seed(0))
-        counts.append(metrics["perf/old_logprobs_recomputed"])
+        grpo.update_policy(model, None, optimizer, PROMPTS, RESPONSES, ADVANTAGES, args, NO_AUTOCAST,
+                           torch.Generator().manual_seed(0))
     assert counts == [2, 4]
 
 
@@ -196,6 +198,9 @@ def test_vllm_serves_the_merged_weights(vllm_imports, vllm_model, tmp_path):
     (["--lora-rank", "4", "--lora-target-modules", "nosuch_proj"], "error: --lora-target-modules nosuch_proj:"),
     (["--lora-rank", "-1"], "error: --lora-rank -1 --lora-dropout 0.0: the rank is 0 or more"),
     (["--lora-rank", "4", "--lora-dropout", "1.0"], "the dropout in [0, 1)"),
+    # an embedding's or head's adapter would not be merged into what the sampler and checkpoints get: refused
+    (["--lora-rank", "4", "--lora-target-modules", "embed_tokens,q_proj"],
+     "error: --lora-target-modules embed_tokens,q_proj: adapters go on linear layers only"),
 ])
 def test_bad_lora_flags_are_one_clear_line(tiny_model, tmp_path, flags, message):
     out = run_script("grpo.py", "--model", tiny_model, *TINY_FLAGS, "--vllm", "False", *flags, "--output-dir", str(tmp_path))

@@ -18,7 +18,7 @@ import envs
 import grpo
 import sft
 from conftest import SHARED_DATA
-from test_grpo_e2e import REPO, TINY_FLAGS, logged_steps, only_run, read_metrics, run_script
+from test_grpo_e2e import REPO, TINY_FLAGS, logged_steps, only_run, read_metrics, run_script, run_with_terminal_stderr
 
 SFT_FLAGS = [
     "--env", "cooking-easy", "--num-tasks", "2", "--max-steps", "2", "--max-new-tokens", "8", "--num-eval-tasks", "1",
@@ -33,6 +33,30 @@ def test_learning_rate_warms_up_linearly_then_follows_a_cosine_to_zero():
     assert factors[2:] == pytest.approx([0.5 * (1 + math.cos(math.pi * k / 8)) for k in range(8)])
     assert factors[2] == 1.0 and factors[-1] == pytest.approx(0.0381, abs=1e-4)
     assert [sft.lr_factor(s, 10, 0.2, "constant") for s in (0, 2, 9)] == pytest.approx([1 / 3, 1.0, 1.0])
+
+
+def test_a_resumed_schedule_takes_up_the_learning_rate_where_it_stopped():
+    """Run restores the optimizer before sft.py builds its scheduler, whose first step would set step 0's rate: the
+    saved rate goes back, and the steps after the resume follow the straight run's."""
+    args = sft.Args(warmup_ratio=0.2, lr_schedule="cosine")
+
+    def steps(optimizer, scheduler, n):
+        rates = []
+        for _ in range(n):
+            rates.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        return rates
+
+    straight = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    rates = steps(straight, sft.lr_scheduler(straight, 10, args), 10)
+    first = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    scheduler = sft.lr_scheduler(first, 10, args)
+    assert steps(first, scheduler, 4) == rates[:4]
+    resumed = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    resumed.load_state_dict(first.state_dict())
+    assert steps(resumed, sft.lr_scheduler(resumed, 10, args, scheduler.state_dict()), 6) == pytest.approx(rates[4:])
+    assert rates[4] < 1.0 and rates[:2] == pytest.approx([1 / 3, 2 / 3])
 
 
 def test_the_target_is_the_answer_format_after_the_prefix_then_end_of_turn(tiny_model, cooking_spec):
@@ -78,10 +102,10 @@ def test_no_held_out_task_plays_no_evaluation_and_logs_none(tiny_model, tmp_path
     Also the schedule over --epochs x minibatches, and the last epoch's checkpoint under --save-every."""
     # 10 samples in minibatches of 4: 3 optimizer steps for the 1 epoch. --warmup-ratio 0.5: int(0.5 * 3) = 1 warmup
     # step at 1/2 of the peak, then the cosine 0.5 (1 + cos(pi (s - 1) / 2)): 1 and 1/2. --save-every 3: the last
-    # epoch is saved all the same. PROGRESS_LOG_EVERY_S 0: a progress line per update, with the epoch total.
-    out = run_script("sft.py", "--model", tiny_model, *SFT_FLAGS, "--num-eval-tasks", "0", "--epochs", "1",
-                     "--warmup-ratio", "0.5", "--save-every", "3", "--output-dir", str(tmp_path / "runs"),
-                     env={"PROGRESS_LOG_EVERY_S": "0"})
+    # epoch is saved all the same. On a terminal the run's progress bar counts epochs, 1 here.
+    flags = ["--model", tiny_model, *SFT_FLAGS, "--num-eval-tasks", "0", "--epochs", "1", "--warmup-ratio", "0.5",
+             "--save-every", "3"]
+    out = run_script("sft.py", *flags, "--output-dir", str(tmp_path / "runs"))
     assert out.returncode == 0, out.stderr[-3000:]
     run = only_run(tmp_path / "runs")
     metrics = read_metrics(run)
@@ -89,9 +113,11 @@ def test_no_held_out_task_plays_no_evaluation_and_logs_none(tiny_model, tmp_path
     steps = [json.loads(line) for line in (run / "steps.jsonl").read_text().splitlines()]
     assert [s["lr"] for s in steps] == pytest.approx([5e-4, 1e-3, 5e-4], rel=1e-9)
     assert torch.load(run / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 1
-    assert "sft: 1/1 epochs" in out.stderr and "/3 epochs" not in out.stderr
     assert not [k for row in metrics.values() for k in row if k.startswith("eval")]
     assert "epoch 1: nll" in out.stdout + out.stderr and "eval success" not in out.stdout + out.stderr
+    redraws = run_with_terminal_stderr("sft.py", *flags, "--output-dir", str(tmp_path / "tty")).split("\r")
+    bars = [r.strip() for r in redraws if r.strip().startswith("sft:")]
+    assert all("/1 [" in bar for bar in bars) and any("| 1/1 [" in bar and "epochs/s]" in bar for bar in bars)
 
 
 def test_sft_trains_checkpoints_resumes_and_warm_starts_grpo_and_proas(tiny_model, tmp_path):
@@ -121,7 +147,7 @@ def test_sft_trains_checkpoints_resumes_and_warm_starts_grpo_and_proas(tiny_mode
     shutil.copytree(only_run(tmp_path / "b") / "checkpoint", run_a / "checkpoint")
     resumed = run_script("sft.py", "--resume", str(run_a), "--epochs", "2")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed {run_a} at epoch 1" in resumed.stdout
+    assert f"resumed {run_a} at iteration 1" in resumed.stdout  # Run's line: an epoch is its iteration
     rows = [json.loads(line) for line in (run_a / "metrics.jsonl").read_text().splitlines()]
     assert [row["iteration"] for row in rows] == [0, 1, 2]
     assert rows[2]["losses/nll"] == pytest.approx(metrics[2]["losses/nll"], rel=1e-5)
@@ -230,7 +256,7 @@ NO_AUTOCAST = lambda: torch.autocast("cpu", enabled=False)  # noqa: E731
 
 def sft_update(model, optimizer, args, seed):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    metrics, steps = sft.update_policy(model, optimizer, scheduler, PROMPTS, RESPONSES, args, 0, NO_AUTOCAST,
+    metrics, steps = sft.update_policy(model, optimizer, scheduler, PROMPTS, RESPONSES, args, NO_AUTOCAST,
                                        torch.Generator().manual_seed(seed))
     return metrics, steps, scheduler
 

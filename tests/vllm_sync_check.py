@@ -1,8 +1,10 @@
 """Run by tests/test_vllm.py in a child process (a vLLM engine changes the process it lives in): grpo.py's own
 engine (make_vllm) and Sampler sample from a tiny model; each sampled token's log-prob that the engine kept is
-compared with grpo.py's recomputation by the training model (recompute_logprobs, the update's pi_old pass), while
+compared with grpo.py's recomputation by the training model (logprobs_no_grad, the update's pi_old pass), while
 in sync, after the training weights moved, and after Sampler.sync. Writes the gaps as json."""
 
+import contextlib
+import io
 import json
 import sys
 from pathlib import Path
@@ -19,7 +21,7 @@ def gaps(sampler, model, tokenizer, args: grpo.Args, autocast, prompts: list[lis
     """|log p_engine - log p_train| over the response tokens of one batched sampling call."""
     responses = sampler(prompts, args.temperature)
     kept = [sampler.logprobs[(args.temperature, tuple(p), tuple(r))] for p, r in zip(prompts, responses)]
-    train = grpo.recompute_logprobs(model, prompts, responses, args, tokenizer.pad_token_id, autocast)
+    train = grpo.logprobs_no_grad(model, prompts, responses, args, autocast)
     diff = torch.cat([(k - t).abs() for k, t in zip(kept, train)])
     return {"mean": diff.mean().item(), "max": diff.max().item(), "tokens": len(diff)}
 
@@ -32,7 +34,7 @@ if __name__ == "__main__":
     use_bf16 = grpo.bf16_is_fast(device)
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16)  # noqa: E731
     llm = grpo.make_vllm(args, model, tokenizer, device, use_bf16, 1)
-    sampler = grpo.Sampler(llm, model, tokenizer, args, autocast, exact=False)
+    sampler = grpo.Sampler(llm, model, tokenizer, args, autocast)
     sampler.sync(model)
     prompts = [grpo.encode_prompt(tokenizer, text) for text in TEXTS]
     result = {"dtype": str(llm.llm_engine.model_config.dtype), "in_sync": gaps(sampler, model, tokenizer, args, autocast, prompts)}
@@ -43,4 +45,32 @@ if __name__ == "__main__":
     result["stale"] = gaps(sampler, model, tokenizer, args, autocast, prompts)
     sampler.sync(model)
     result["synced"] = gaps(sampler, model, tokenizer, args, autocast, prompts)
+
+    # The check after every sync: an engine weight that took other values than were sent, or none, stops the run
+    reload = llm.collective_rpc
+
+    def sync_altered(alter) -> str:
+        """Sampler.sync with the weights the engine receives altered by `alter`; the line the run stops with."""
+        llm.collective_rpc = lambda method, *a, kwargs=None, **kw: reload(method, *a, **kw, kwargs=kwargs if method !=
+                                                                           "reload_weights" else
+                                                                           {"weights_iterator": alter(kwargs["weights_iterator"])})
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                sampler.sync(model)
+        except SystemExit:
+            return err.getvalue().strip()
+        finally:
+            llm.collective_rpc = reload
+        return "no error"
+
+    target = "model.layers.1.mlp.down_proj.weight"
+    result["one_weight_off"] = sync_altered(lambda it: ((n, w + 2 ** -4 if n == target else w) for n, w in it))
+    result["one_fused_weight_missing"] = sync_altered(lambda it: ((n, w) for n, w in it if "layers.0.self_attn.k" not in n))
+    with torch.no_grad():  # the weights move; a sync that leaves one out leaves the engine stale there
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.1 * param.std())
+    result["one_weight_left_out"] = sync_altered(lambda it: ((n, w) for n, w in it if "layers.0.self_attn.o_proj" not in n))
+    sampler.sync(model)
+    result["resynced"] = gaps(sampler, model, tokenizer, args, autocast, prompts)
     out.write_text(json.dumps(result, indent=2))
