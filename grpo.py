@@ -5,9 +5,8 @@ prompt, built afresh from the task, the last steps and the observation, and the 
 episode's outcome less a penalty if its own output was malformed, s_{i,t} = R_i - penalty * invalid_{i,t}, and its
 advantage is that score normalised over its group's step samples, A_{i,t} = (s_{i,t} - mean) / (std + eps). The
 update is PPO-clip with dual clip, a k3 KL to the initial policy and an entropy bonus, token-mean per minibatch:
-verl-agent's GRPO (github.com/langfengQ/verl-agent). DAPO is `--clip-eps-high 0.28 --filter-groups`; unlike
-verl-agent's, it cuts surplus informative groups to --num-tasks and filters its last round too (then falls back to
-it unfiltered if still short).
+verl-agent's GRPO (github.com/langfengQ/verl-agent). DAPO is `--clip-eps-high 0.28 --filter-groups`, which unlike
+verl-agent cuts surplus informative groups and filters its last round (unfiltered only if still short).
 
     python grpo.py --model Qwen2.5-1.5B-Instruct --env alfworld   # the papers' setting, one GPU
     python grpo.py --model SmolLM2-135M-Instruct --env cooking-small --response-prefix "<think>"   # offline, CPU
@@ -134,6 +133,8 @@ class Args:
     """compute a prompt prefix that several samples of a micro-batch share once, for all of them (exact)"""
     update_epochs: int = 1
     """passes over the iteration's samples"""
+    group_minibatches: bool = False
+    """minibatches of consecutive samples in token order, a task's group in one (default: verl-agent's random split)"""
     # LoRA
     lora_rank: int = 0
     """rank r of LoRA adapters (0: full fine-tuning); the frozen base is the reference policy. LoRA wants ~10x the lr"""
@@ -203,14 +204,6 @@ def resolve_args(args: Args, spec) -> Args:
 
 
 # --- Rollout: every active episode advances one turn per batched generation call --------------------------------------
-def encode_prompt(tokenizer, text: str, answer_prefix: str = "") -> list[int]:
-    """One user message through the chat template (verl-agent passes no system message), then the
-    start of the assistant's answer when one is prefilled."""
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-    return tokenizer(rendered + answer_prefix, add_special_tokens=False)["input_ids"]
-
-
 def build_prompt(spec, tokenizer, args: Args, episode, obs, history: list) -> list[int]:
     """The turn's prompt, built afresh; over budget it drops history, then keeps the tail."""
     for shown in range(min(args.history_length, len(history)), -1, -1):
@@ -415,6 +408,15 @@ def kl_k3(logp, ref_logp):
     return torch.clamp(torch.exp(delta) - delta - 1, -10, 10)
 
 
+def draw_minibatches(samples: list[list[int]], num_minibatches: int, args: Args, generator) -> list[np.ndarray]:
+    """One epoch's minibatches: verl-agent's random split; --group-minibatches: consecutive samples in token order, in
+    random order (a task's group, whose prompts share their head, stays together: more of it is computed once)."""
+    if not args.group_minibatches:
+        return np.array_split(torch.randperm(len(samples), generator=generator).numpy(), num_minibatches)
+    parts = np.array_split(np.array(sorted(range(len(samples)), key=samples.__getitem__), dtype=int), num_minibatches)
+    return [parts[k] for k in torch.randperm(num_minibatches, generator=generator).tolist()]
+
+
 def update_policy(model, ref_model, optimizer, prompts, responses, advantages, args: Args, autocast, generator,
                   sampler=None):
     """`update_epochs` passes of PPO steps over ceil(samples / minibatch_size) equal minibatches; each step's loss is
@@ -424,8 +426,8 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
     no-grad pass that also scores the reference. `ref_model` is `model` under LoRA: the base, adapters off."""
     world_size = dist.get_world_size() if distributed() else 1
     num_minibatches = max(1, math.ceil(all_reduce([len(prompts)])[0] / args.minibatch_size))
-    epochs = [np.array_split(torch.randperm(len(prompts), generator=generator).numpy(), num_minibatches)
-              for _ in range(args.update_epochs)]
+    samples = [p + r for p, r in zip(prompts, responses)]
+    epochs = [draw_minibatches(samples, num_minibatches, args, generator) for _ in range(args.update_epochs)]
     first = set(epochs[0][0].tolist()) if not args.lora_dropout else set()  # dropout: a training forward differs
     stale = [i for i in range(len(prompts)) if i not in first]
     t0 = time.perf_counter()
@@ -940,6 +942,14 @@ def eos_token_ids(tokenizer, model) -> list[int]:
     gen_eos = getattr(model.generation_config, "eos_token_id", None)
     ids = {tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])}
     return sorted(i for i in ids if i is not None)
+
+
+def encode_prompt(tokenizer, text: str, answer_prefix: str = "") -> list[int]:
+    """One user message through the chat template (verl-agent passes no system message), then the
+    start of the assistant's answer when one is prefilled."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return tokenizer(rendered + answer_prefix, add_special_tokens=False)["input_ids"]
 
 
 @torch.no_grad()

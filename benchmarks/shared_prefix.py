@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compare  # noqa: E402
 from _common import REPO, RESULTS, machine, read_metrics, resolve_model, run_training, write_json  # noqa: E402
 
-RUNS = {"fp32-on": ("False", "True"), "fp32-off": ("False", "False"), "bf16-on": ("True", "True"),
-        "bf16-off": ("True", "False")}  # name: (--bf16, --share-prefix)
+RUNS = {"fp32-on": ("False", "--share-prefix"), "fp32-off": ("False", "--no-share-prefix"),
+        "bf16-on": ("True", "--share-prefix"), "bf16-off": ("True", "--no-share-prefix")}  # name: (--bf16, sharing)
 
 
 @dataclass
@@ -77,7 +77,7 @@ def main(args: Args) -> None:
             continue
         bf16, share = RUNS[name]
         flags = ["--model", model, *compare.common_flags(setting, args.seed), "--total-iterations", str(args.iterations),
-                 "--eval-every", str(args.iterations), "--vllm", "True", "--bf16", bf16, "--share-prefix", share]
+                 "--eval-every", str(args.iterations), "--vllm", "True", "--bf16", bf16, share]
         out = args.runs_dir / name
         info = run_training("grpo.py", flags, out, out.with_suffix(".log"))
         result.setdefault("runs", {})[name] = summary(name, info, args.iterations)

@@ -547,3 +547,27 @@ def test_sharing_prefixes_gives_the_update_the_same_log_probs_and_gradients(tiny
     # computed once: step 0's prompt (38 + 15 response tokens), the task head's two continuations (6 + 3, 6 + 5),
     # and the lone sample (24)
     assert shared["tokens/computed"] == 38 + 15 + 9 + 11 + 24 and shared["tokens/computed"] < 0.6 * whole
+
+
+def test_group_minibatches_keep_a_tasks_samples_together_and_default_to_the_random_split(tiny_model):
+    """--group-minibatches: two tasks' four samples each (a 20-token task head, then their own token); minibatches of
+    4 hold one task each, so each head is computed once per minibatch: 2 x (20 + 4 x 3) = 64 tokens. Off (verl-agent's
+    draw), the split is update_policy's generator's permutation, as before the flag existed."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = [[h] * 20 + [k] for h in (11, 12) for k in (21, 22, 23, 24)]
+    responses = [[30, 31]] * 8
+    samples = [p + r for p, r in zip(prompts, responses)]
+    off = grpo.draw_minibatches(samples, 2, grpo.Args(), torch.Generator().manual_seed(0))
+    expected = np.array_split(torch.randperm(8, generator=torch.Generator().manual_seed(0)).numpy(), 2)
+    assert [m.tolist() for m in off] == [m.tolist() for m in expected]
+    on = grpo.draw_minibatches(samples, 2, grpo.Args(group_minibatches=True), torch.Generator().manual_seed(0))
+    assert sorted(sorted(m.tolist()) for m in on) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    computed = {}
+    for flag in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+        args = grpo.Args(cuda=False, minibatch_size=4, micro_batch_tokens=10_000, kl_coef=0.0, group_minibatches=flag)
+        computed[flag] = grpo.update_policy(model, None, torch.optim.SGD(model.parameters(), lr=0.0), prompts, responses,
+                                            np.linspace(-1, 1, 8), args, NO_AUTOCAST,
+                                            torch.Generator().manual_seed(0))["tokens/computed"]
+    assert computed[True] == 64 < computed[False]  # seed 0's random split mixes the two tasks
