@@ -651,6 +651,8 @@ def evaluate(spec, runner, tokenizer, generate, args: Args, eval_tasks: dict) ->
     """One episode per held-out task of every eval split (split over ranks) at the eval temperature:
     `eval/*` over all of them and, with several splits (ALFWorld's seen and unseen games), `eval/{split}/*`
     for each. The training RNG is left untouched, so evaluating never changes the training run."""
+    if not any(eval_tasks.values()):  # --num-eval-tasks 0
+        return {}
     start, (rank, world_size) = time.perf_counter(), rank_and_world_size()
     tasks = [(split, task_id) for split, task_ids in eval_tasks.items() for task_id in task_ids]
     mine = [(group, split, task_id) for group, (split, task_id) in enumerate(tasks) if group % world_size == rank]

@@ -643,7 +643,7 @@ ALFWORLD_COMMON = ["--env", "alfworld", "--train-split", "eval_in_distribution",
                    "--eval-temperature", "1.0", "--num-env-workers", "2", "--no-gradient-checkpointing",
                    "--micro-batch-tokens", "4096", "--logprob-chunk-tokens", "2048", "--vllm", "True"]
 ALFWORLD_SFT = ["--num-tasks", "64", "--epochs", "2", "--learning-rate", "5e-5", "--minibatch-size", "8",
-                "--eval-every", "2", "--seed", "1"]
+                "--num-eval-tasks", "0", "--seed", "1"]
 ALFWORLD_RL = ["--num-tasks", "4", "--group-size", "4", "--total-iterations", "4", "--learning-rate", "1e-5",
                "--minibatch-size", "64", "--kl-coef", "0", "--invalid-penalty", "0", "--eval-every", "4",
                "--save-every", "1"]
@@ -665,21 +665,30 @@ def alfworld(args: Args) -> None:
                 int(ALFWORLD_SFT[ALFWORLD_SFT.index("--epochs") + 1]), deadline, "--epochs")
     if sft is None:
         return print("stopped at the time limit (sft.py resumes next time)")
-    metrics = read_metrics(sft["run_dir"])
-    last = max(i for i in metrics if "eval/success_rate" in metrics[i])
-    won = metrics[last]["eval/won_by_task"]
-    trained = set(json.loads((Path(sft["run_dir"]) / "checkpoint" / "args.json").read_text())["train_split"].split(","))
+    metrics, model = read_metrics(sft["run_dir"]), str(Path(sft["run_dir"]) / "checkpoint" / "model")
+    demos = metrics[0]
     result["warm_start"] = {"command": sft["command"], "run_dir": sft["run_dir"], "nll": series(metrics, "losses/nll"),
-                            "epoch_s": series(metrics, "perf/epoch_s"), "heldout_wins": sum(won.values()),
-                            "heldout_games": len(won), "trained_on": sorted(trained),
-                            "heldout_in_training_split": sum(t.startswith("valid_seen/") for t in won)}
+                            "epoch_s": series(metrics, "perf/epoch_s"), "demonstrations": demos.get("demos/tasks"),
+                            "demonstration_samples": demos.get("demos/samples")}
+    # the probe: the warm start on the held-out list, as every RL run's iteration 0 plays it (seed 1)
+    probe_dir = runs_dir / "probe"
+    if not (run_dir_of(probe_dir) and 0 in read_metrics(run_dir_of(probe_dir))):
+        flags = ["--model", model, *common, *ALFWORLD_RL, "--seed", "1", "--total-iterations", "0"]
+        info = run_training("grpo.py", flags, probe_dir, probe_dir.with_suffix(".log"))
+        if info["returncode"] != 0:
+            raise SystemExit(f"the probe failed to run:\n{tail(info['log'])}")
+    row = read_metrics(run_dir_of(probe_dir))[0]
+    won = row["eval/won_by_task"]
     rate = sum(won.values()) / len(won)
-    result["probe"] = {"success": rate, "passed": ALFWORLD_PROBE[0] <= rate <= ALFWORLD_PROBE[1], "bounds": ALFWORLD_PROBE}
+    result["probe"] = {"wins": sum(won.values()), "games": len(won), "success": rate, "bounds": ALFWORLD_PROBE,
+                       "passed": ALFWORLD_PROBE[0] <= rate <= ALFWORLD_PROBE[1], "valid_rate": 1 - row["eval/invalid_action_rate"],
+                       "episode_length": row["eval/episode_length"], "eval_s": row["perf/eval_s"],
+                       "heldout_from_valid_seen": sum(t.startswith("valid_seen/") for t in won),  # 0: disjoint from training
+                       "by_type": {k.split("success_rate_")[1]: v for k, v in row.items() if k.startswith("eval/success_rate_")}}
     save(out, result)
     print(f"probe: the warm start won {sum(won.values())} of {len(won)} held-out games", flush=True)
     if not result["probe"]["passed"]:
         return print(f"the probe failed ({rate:.1%} outside {ALFWORLD_PROBE}): no RL runs")
-    model = str(Path(sft["run_dir"]) / "checkpoint" / "model")
     for script, seed in ALFWORLD_RUNS:
         flags = ["--model", model, *common, *ALFWORLD_RL, "--seed", str(seed)]
         info = drive(script, flags, runs_dir / f"{script[:-3]}-seed{seed}", 4, deadline, "--total-iterations")

