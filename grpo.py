@@ -174,7 +174,6 @@ class Args:
     """run directory to continue from (its saved arguments are used; flags typed next to it replace them)"""
     output_dir: str = "runs"
     """where run directories are created"""
-    # to be filled in runtime
     run_name: str = ""
     """`{env}__{exp_name}__{seed}__{unix_time}`"""
 
@@ -274,8 +273,7 @@ def rollout(spec, runner, tokenizer, generate, args: Args, episodes: list, tempe
             episodes[i].turns[-1].next_state = result.state
             episodes[i].won, episodes[i].score = result.won, result.score
             if result.crashed:
-                tqdm.write(f"warning: env of {episodes[i].task_id} crashed, counted as failed: "
-                           f"{result.observation[:300]}")
+                tqdm.write(f"warning: {episodes[i].task_id} crashed, counted as failed: {result.observation[:300]}")
             episodes[i].crashed |= result.crashed
             obs[i] = result
         active = [i for i in active if not obs[i].done]

@@ -206,7 +206,6 @@ class Args:
     """generation budget of a judgment (capped by --max-new-tokens)"""
     judge_obs_chars: int = 300
     """characters of each observation shown to the judge"""
-    # to be filled in runtime
     run_name: str = ""
     """`{env}__{exp_name}__{seed}__{unix_time}`"""
 
@@ -315,8 +314,7 @@ def rollout(spec, runner, tokenizer, generate, args: Args, episodes: list, tempe
             episodes[i].turns[-1].next_state = result.state
             episodes[i].won, episodes[i].score = result.won, result.score
             if result.crashed:
-                tqdm.write(f"warning: env of {episodes[i].task_id} crashed, counted as failed: "
-                           f"{result.observation[:300]}")
+                tqdm.write(f"warning: {episodes[i].task_id} crashed, counted as failed: {result.observation[:300]}")
             episodes[i].crashed |= result.crashed
             obs[i] = result
         active = [i for i in active if not obs[i].done]

@@ -381,3 +381,12 @@ def test_one_iteration_gives_the_same_losses_with_and_without_shared_prefixes(ti
     losses = [k for k in plain if k.startswith("losses/")]
     assert len(losses) >= 6 and all(shared[k] == pytest.approx(plain[k], rel=1e-5, abs=1e-7) for k in losses), \
         {k: (shared[k], plain[k]) for k in losses}
+
+
+def test_train_split_chooses_the_games_trained_on(tiny_model, tmp_path):
+    """--train-split (ALFWorld's offline valid_seen stands in for `train`): every rollout game comes from that split."""
+    out = run_script("grpo.py", "--model", tiny_model, *TINY_FLAGS, "--total-iterations", "1", "--num-eval-tasks", "0",
+                     "--max-steps", "1", "--train-split", "valid", "--output-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    task_ids = read_metrics(only_run(tmp_path))[1]["rollout/task_ids"]
+    assert len(task_ids) == 2 and all(t.startswith("valid-") for t in task_ids), task_ids
