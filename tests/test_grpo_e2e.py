@@ -388,5 +388,6 @@ def test_train_split_chooses_the_games_trained_on(tiny_model, tmp_path):
     out = run_script("grpo.py", "--model", tiny_model, *TINY_FLAGS, "--total-iterations", "1", "--num-eval-tasks", "0",
                      "--max-steps", "1", "--train-split", "valid", "--output-dir", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "Warning" not in out.stderr, out.stderr[-3000:]  # --num-eval-tasks 0 evaluates nothing, silently
     task_ids = read_metrics(only_run(tmp_path))[1]["rollout/task_ids"]
     assert len(task_ids) == 2 and all(t.startswith("valid-") for t in task_ids), task_ids
