@@ -256,7 +256,8 @@ def series(metrics: dict[int, dict], key: str) -> list[list[float]]:
 def diagnostics(script: str, metrics: dict[int, dict]) -> dict:
     """The method's own evidence that its mechanism ran, per iteration."""
     keys = {
-        "proas.py": ["proas/masked_frac", "proas/mui_zeroed_frac", "proas/apr_frac", "proas/graph_vertices", "proas/graph_edges",
+        "proas.py": ["proas/masked_frac", "proas/labelled_frac", "proas/nonadvancing_frac_failed", "proas/mui_zeroed_frac",
+                     "proas/apr_frac", "proas/graph_vertices", "proas/graph_edges",
                      "proas/graph_edges_added", "proas/re_mean", "proas/pa_mean"],
         "strata.py": ["strata/strategy_format_ok", "strata/judge_parse_fail_frac", "strata/judge_flagged_frac",
                       "strata/strategy_reward", "strata/diversity_chosen", "strata/diversity_random"],
@@ -647,7 +648,8 @@ ALFWORLD_SFT = ["--num-tasks", "64", "--epochs", "2", "--learning-rate", "5e-5",
 ALFWORLD_RL = ["--num-tasks", "4", "--group-size", "4", "--total-iterations", "4", "--learning-rate", "1e-5",
                "--minibatch-size", "64", "--kl-coef", "0", "--invalid-penalty", "0", "--eval-every", "4",
                "--save-every", "1"]
-ALFWORLD_RUNS = [(script, seed) for script in ("grpo.py", "proas.py", "gigpo.py") for seed in (1, 2)]
+# the stated pair on both seeds first, seed-major so that a partial result compares them; then gigpo.py
+ALFWORLD_RUNS = [("grpo.py", 1), ("proas.py", 1), ("grpo.py", 2), ("proas.py", 2), ("gigpo.py", 1), ("gigpo.py", 2)]
 ALFWORLD_PROBE = (0.05, 0.50)  # the warm start must win some held-out games and lose most
 
 
@@ -694,7 +696,92 @@ def alfworld(args: Args) -> None:
         info = drive(script, flags, runs_dir / f"{script[:-3]}-seed{seed}", 4, deadline, "--total-iterations")
         if info is None:
             return print("stopped at the time limit (the run in progress resumes next time)")
-        record(result, summarise(script, "sft", seed, info), out)
+        entry = summarise(script, "sft", seed, info)
+        metrics = read_metrics(info["run_dir"])
+        entry["machine"] = result["machine"]
+        entry["phase_s"] = {k: float(np.mean([metrics[i][k] for i in metrics if i > 0 and k in metrics[i]]))
+                            for k in ("perf/gen_s", "perf/env_s", "perf/logprob_s", "perf/update_s", "perf/eval_s")}
+        record(result, entry, out)
+        result["verdict"] = alfworld_verdict(result)
+        save(out, result)
+        alfworld_plot(result, out.with_suffix(".png"))
+        print(alfworld_markdown(result["verdict"]), flush=True)
+
+
+def wins_at(run: dict, which) -> tuple[int, int]:
+    """(wins, games) at a run's first (which=min) or last (which=max) evaluation."""
+    evals = run["eval_won_by_task"]
+    games = evals[which(evals, key=int)]
+    return sum(games.values()), len(games)
+
+
+def alfworld_verdict(result: dict) -> dict:
+    """The stated ALFWorld test: per method, held-out wins at the first against the last evaluation on the same
+    games (two-sided Fisher), per seed and pooled; proas.py's end wins against grpo.py's on the seeds both ran."""
+    runs = [r for r in result["runs"] if len(r["eval_won_by_task"]) >= 2]
+    out = {}
+    for script in dict.fromkeys(r["script"] for r in runs):
+        mine = sorted((r for r in runs if r["script"] == script), key=lambda r: r["seed"])
+        per_seed = {str(r["seed"]): {"wins": [wins_at(r, min)[0], wins_at(r, max)[0]], "games": wins_at(r, max)[1]}
+                    for r in mine}
+        for e in per_seed.values():
+            e["fisher_p"] = fisher_exact_p(*e["wins"], e["games"])
+        pooled = {"wins": [sum(e["wins"][k] for e in per_seed.values()) for k in (0, 1)],
+                  "games": sum(e["games"] for e in per_seed.values())}
+        pooled["fisher_p"] = fisher_exact_p(*pooled["wins"], pooled["games"])
+        out[script] = {"per_seed": per_seed, "pooled": pooled, "iteration_s": [r["iteration_s"] for r in mine]}
+        if script == "proas.py":
+            out[script]["graph"] = {k: {str(r["seed"]): r["diagnostics"].get(f"proas/{k}", []) for r in mine}
+                                    for k in ("masked_frac", "pa_mean", "labelled_frac", "graph_vertices")}
+    grpo = {r["seed"]: r for r in runs if r["script"] == "grpo.py"}
+    proas = [r for r in runs if r["script"] == "proas.py" and r["seed"] in grpo]
+    if proas:
+        wins, base = sum(wins_at(r, max)[0] for r in proas), sum(wins_at(grpo[r["seed"]], max)[0] for r in proas)
+        games = sum(wins_at(r, max)[1] for r in proas)
+        out["proas_vs_grpo"] = {"seeds": [r["seed"] for r in proas], "wins": wins, "grpo_wins": base, "games": games,
+                                "fisher_p": fisher_exact_p(wins, base, games)}
+    return out
+
+
+def alfworld_markdown(verdict: dict) -> str:
+    lines = ["| method | held-out wins, start -> end, per seed (Fisher p) | pooled (Fisher p) | s / iteration |",
+             "| --- | --- | --- | --- |"]
+    for script, e in verdict.items():
+        if script == "proas_vs_grpo":
+            continue
+        seeds = ", ".join(f"seed {k}: {v['wins'][0]} -> {v['wins'][1]} of {v['games']} (p {v['fisher_p']:.2g})"
+                          for k, v in e["per_seed"].items())
+        p = e["pooled"]
+        lines.append(f"| {script} | {seeds} | {p['wins'][0]} -> {p['wins'][1]} of {p['games']} "
+                     f"(p {p['fisher_p']:.2g}) | " + ", ".join(f"{s:.0f}" for s in e["iteration_s"] if s) + " |")
+    if "proas_vs_grpo" in verdict:
+        v = verdict["proas_vs_grpo"]
+        lines.append(f"\nproas.py against grpo.py at the end, seeds {v['seeds']}: {v['wins']} vs {v['grpo_wins']} of "
+                     f"{v['games']} (p {v['fisher_p']:.2g})")
+    return "\n".join(lines)
+
+
+def alfworld_plot(result: dict, path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    scripts = list(dict.fromkeys(r["script"] for r in result["runs"]))
+    for r in sorted(result["runs"], key=lambda r: (scripts.index(r["script"]), r["seed"])):
+        xs, ys = zip(*r["eval_success"])
+        xs = [x + 0.05 * scripts.index(r["script"]) for x in xs]  # equal scores would hide each other
+        ax.plot(xs, ys, marker="o", color=f"C{scripts.index(r['script'])}", linestyle="-" if r["seed"] % 2 else "--",
+                label=f"{r['script']} seed {r['seed']}")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("held-out success (134 valid_unseen games)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("ALFWorld, SmolLM2-135M warm-started on valid_seen: 4 tasks x 4 episodes per iteration, T=1",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 def main(args: Args) -> None:

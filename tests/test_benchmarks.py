@@ -410,3 +410,28 @@ def test_compare_replication_states_the_test_on_the_new_seeds_and_over_all_seeds
     assert proas["unseen_plan_games"] == {"games": 3, "wins": 2, "grpo_wins": 0}
     assert rep["proas.py --base-gigpo"]["new_seeds"]["wins"] == 0 and "gigpo.py" not in rep
     assert "| proas.py | 5 vs 1 of 8 (p 0.12) |" in module.replication_markdown(rep)
+
+
+def test_compare_alfworld_verdict_tests_each_method_from_its_start_per_seed_and_pooled(monkeypatch):
+    spec = importlib.util.spec_from_file_location("compare", REPO / "benchmarks" / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "compare", module)
+    spec.loader.exec_module(module)
+
+    def run(script, seed, start, end, **diagnostics):  # won-by-game at iterations 0 and 4 of three held-out games
+        games = lambda won: {f"valid_unseen/g{k}": w for k, w in enumerate(won)}  # noqa: E731
+        return {"script": script, "seed": seed, "eval_won_by_task": {"0": games(start), "4": games(end)},
+                "iteration_s": 480.0, "diagnostics": diagnostics, "eval_success": [[0, sum(start) / 3], [4, sum(end) / 3]]}
+    verdict = module.alfworld_verdict({"runs": [
+        run("grpo.py", 1, [0, 0, 1], [1, 1, 1]), run("grpo.py", 2, [0, 0, 0], [0, 0, 0]),
+        run("proas.py", 1, [0, 0, 0], [1, 1, 1], **{"proas/masked_frac": [[1, 0.5]]})]})
+    grpo, proas = verdict["grpo.py"], verdict["proas.py"]
+    # by hand: seed 1, 1 -> 3 of 3 (4 wins in 6 games: splits 1..3 weigh 3, 9, 3 of 15; (1,3) and (3,1): p 6/15)
+    assert grpo["per_seed"]["1"] == {"wins": [1, 3], "games": 3, "fisher_p": pytest.approx(0.4)}
+    assert grpo["per_seed"]["2"]["fisher_p"] == pytest.approx(1.0)
+    # pooled 1 -> 3 of 6: 4 wins in 12 games, splits 0..4 weigh 15, 120, 225, 120, 15 of 495; all but (2,2) count
+    assert grpo["pooled"] == {"wins": [1, 3], "games": 6, "fisher_p": pytest.approx(270 / 495)}
+    assert proas["pooled"]["fisher_p"] == pytest.approx(0.1) and proas["graph"]["masked_frac"] == {"1": [[1, 0.5]]}
+    assert verdict["proas_vs_grpo"] == {"seeds": [1], "wins": 3, "grpo_wins": 3, "games": 3, "fisher_p": pytest.approx(1.0)}
+    assert "| grpo.py | seed 1: 1 -> 3 of 3 (p 0.4), seed 2: 0 -> 0 of 3 (p 1) | 1 -> 3 of 6 (p 0.55) | 480, 480 |" \
+        in module.alfworld_markdown(verdict)
