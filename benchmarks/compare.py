@@ -698,8 +698,8 @@ def alfworld(args: Args) -> None:
             return print("stopped at the time limit (the run in progress resumes next time)")
         entry = summarise(script, "sft", seed, info)
         metrics = read_metrics(info["run_dir"])
-        entry["machine"] = result["machine"]
-        entry["phase_s"] = {k: float(np.mean([metrics[i][k] for i in metrics if i > 0 and k in metrics[i]]))
+        entry["machine"] = {k: v for k, v in result["machine"].items() if k != "load_avg_1m"}  # the load now, not the run's
+        entry["phase_s"] = {k: float(np.mean([metrics[i][k] for i in metrics if k in metrics[i]]))
                             for k in ("perf/gen_s", "perf/env_s", "perf/logprob_s", "perf/update_s", "perf/eval_s")}
         record(result, entry, out)
         result["verdict"] = alfworld_verdict(result)
