@@ -134,8 +134,9 @@ class Args:
     """tokens computed per forward/backward (default 16384 with CUDA, 2048 on CPU): the peak memory"""
     logprob_chunk_tokens: Optional[int] = None
     """response tokens whose full-vocabulary logits exist at once (default: 2048 with CUDA, 512 on CPU)"""
-    share_prefix: bool = True
-    """compute a prompt prefix that several samples of a micro-batch share once, for all of them (exact)"""
+    share_prefix: bool = field(default_factory=lambda: not torch.cuda.is_available())
+    """compute a prompt prefix that several samples of a micro-batch share once, for all of them (exact; default: on
+    without CUDA; with CUDA a padded batch through the model's own attention, until sharing is measured there)"""
     update_epochs: int = 1
     """passes over the iteration's samples"""
     # LoRA
@@ -1334,7 +1335,7 @@ def sync_vllm_weights(llm, model, sleeping: bool) -> None:
         for name, full in merged_weights(full_parameters(model), lora_scaling(model)):
             full = full.detach().to(dtype)
             for target in [name, head_name] if tied and name == embed_name else [name]:
-                sent[target] = bit_sum(full)
+                sent[target] = bit_sums(full)
                 yield target, full
 
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
@@ -1345,44 +1346,73 @@ def sync_vllm_weights(llm, model, sleeping: bool) -> None:
     llm.reset_prefix_cache()
 
 
-def bit_sum(t: torch.Tensor) -> int:
-    """An exact, order-free checksum of a float tensor: the sum of its values' bit patterns (-0.0 read as 0.0)."""
-    t = t.detach() + 0.0
-    return int(t.reshape(-1).view({2: torch.int16, 4: torch.int32}[t.element_size()]).sum(dtype=torch.int64))
+def bit_sums(t: torch.Tensor) -> tuple[int, int, int]:
+    """An exact checksum of a float tensor that sees order: (elements, the sum of their values' bit patterns, and of
+    each pattern times its row-major index), with -0.0 read as 0.0 and a vector read as a column. Computed a block of
+    rows at a time, so its temporaries stay near 32 MB whatever the tensor."""
+    t = t.detach().reshape(t.shape[0], -1) if t.dim() else t.detach().reshape(1, 1)
+    step, total = max(1, 2**22 // t.shape[1]), (0, 0, 0)
+    for r0 in range(0, t.shape[0], step):
+        total = tuple(map(sum, zip(total, block_bit_sums(t[r0 : r0 + step], r0, 0, t.shape[1]))))
+    return total
+
+
+def block_bit_sums(block: torch.Tensor, r0: int, c0: int, width: int) -> tuple[int, int, int]:
+    """bit_sums' terms of the block at row r0, column c0 of a matrix `width` columns wide: sum_{r,c} b_rc (r width + c)
+    = width sum_r r (sum_c b_rc) + sum_c c (sum_r b_rc), from row and column sums (int64, no overflow), in Python."""
+    b = (block + 0.0).view({2: torch.int16, 4: torch.int32}[block.element_size()]).long()
+    rows, cols = b.sum(1).tolist(), b.sum(0).tolist()
+    index_sum = width * sum(r * x for r, x in enumerate(rows, r0)) + sum(c * x for c, x in enumerate(cols, c0))
+    return b.numel(), sum(rows), index_sum
 
 
 @torch.no_grad()
 def engine_bit_sums(worker) -> tuple[dict, dict]:
-    """In the engine's worker: bit_sum of the values each engine weight's kernel computes with, and the map of fused
+    """In the engine's worker: bit_sums of the values each engine weight's kernel computes with, and the map of fused
     weights. Linear weights may be repacked beyond reading (vLLM's CPU backend keeps them in oneDNN's format), so they
-    are read through their own kernel: identity rows in, W^T out, exact in any dtype (one product per output)."""
+    are read through their own kernel: identity rows in, W^T out, exact in any dtype (one product per output). A
+    vocabulary's padding rows (zeros) are not counted."""
     from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
     model, dtype, sums = worker.model_runner.model, worker.model_runner.model_config.dtype, {}
     for name, module in model.named_modules():
         kernel = isinstance(module, (LinearBase, ParallelLMHead))
+        rows = module.org_vocab_size if isinstance(module, VocabParallelEmbedding) else None
         for param_name, param in module.named_parameters(recurse=False):
             if not (kernel and param_name == "weight"):
-                sums[f"{name}.{param_name}"] = bit_sum(param.to(dtype))
+                sums[f"{name}.{param_name}"] = bit_sums(param[:rows].to(dtype))
         if kernel:
             width = module.input_size if isinstance(module, LinearBase) else module.embedding_dim
-            eye = torch.eye(width, dtype=dtype, device=module.weight.device)
-            sums[f"{name}.weight"] = sum(bit_sum(module.quant_method.apply(module, eye[i : i + 1024], None).to(dtype))
-                                         for i in range(0, width, 1024))
+            eye, total = torch.eye(width, dtype=dtype, device=module.weight.device), (0, 0, 0)
+            for i in range(0, width, 1024):  # W[:, i:i + 1024], transposed
+                w_t = module.quant_method.apply(module, eye[i : i + 1024], None).to(dtype)[:, :rows]
+                total = tuple(map(sum, zip(total, block_bit_sums(w_t.t(), 0, i, width))))
+            sums[f"{name}.weight"] = total
     return sums, getattr(model, "packed_modules_mapping", {})
 
 
 def check_engine_weights(sums: dict, packed: dict, sent: dict) -> None:
-    """Stop with one line when an engine weight differs from the trained weight sent to it (q, k, v and gate, up go into
-    one fused engine weight each), or received none."""
-    fused, expected = {f".{part}.": f".{whole}." for whole, parts in packed.items() for part in parts}, Counter()
-    for name, value in sent.items():
-        expected[next((name.replace(p, w) for p, w in fused.items() if p in name), name)] += value
+    """Stop with one line when an engine weight differs from the trained weights sent to it, or received none. q, k, v
+    and gate, up go into one fused engine weight each, stacked by rows in the order of `packed`: a part's indices
+    there are offset by the elements of the parts before it."""
+    parts = {part: (whole, names[:k]) for whole, names in packed.items() for k, part in enumerate(names)}
+    expected = {}
+    for name, (n, total, index_sum) in sent.items():
+        module, leaf = name.rsplit(".", 1)
+        parent, _, part = module.rpartition(".")
+        whole, before = parts.get(part, (part, []))
+        offset = sum(sent.get(".".join(filter(None, [parent, p, leaf])), (0,))[0] for p in before)
+        key = ".".join(filter(None, [parent, whole, leaf]))
+        m, t, i = expected.get(key, (0, 0, 0))
+        expected[key] = (m + n, t + total, i + index_sum + offset * total)
     for name, value in sums.items():
         if name not in expected:
             fail(f"vLLM engine weight {name} received no weight from the trained model: it would sample with dummy "
                  "values (vLLM names or fuses this architecture's weights differently)")
+        if value[0] != expected[name][0]:
+            fail(f"vLLM engine weight {name} holds {value[0]} values, but {expected[name][0]} were sent to it: a part "
+                 "of it received none (vLLM names or fuses this architecture's weights differently)")
         if value != expected[name]:
             fail(f"vLLM engine weight {name} differs from the trained weights sent to it: the engine is stale")
 
@@ -1403,7 +1433,7 @@ def generate_vllm(llm, prompts: list[list[int]], max_new_tokens: int, temperatur
     return [list(o.token_ids) for o in outputs]
 
 
-# --- Log-probs of response tokens: samples packed in one row, each shared prefix computed once ------------------------
+# --- Log-probs of response tokens: a padded batch through the model's own attention, or samples packed in one row ----
 def shared_prefix_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, prefix_tree=None,
                             **kwargs):
     """transformers' SDPA attention; on a row from pack_samples (`prefix_tree`), each sample's own tokens attend
@@ -1415,64 +1445,94 @@ def shared_prefix_attention(module, query, key, value, attention_mask, dropout=0
     if prefix_tree is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    paths, segments = prefix_tree  # (autocast's cast, which the CausalBias mask skips: RoPE left q and k in fp32)
-    query, key, value = query.to(value.dtype), key.index_select(2, paths).to(value.dtype), value.index_select(2, paths)
-    gqa = query.shape[1] != key.shape[1]
+    unsupported = [name for name, arg in (("a sliding window", "sliding_window"), ("soft-capped logits", "softcap"),
+                                          ("attention sinks", "s_aux")) if kwargs.get(arg) is not None]
+    if unsupported:
+        fail(f"this model's attention has {' and '.join(unsupported)}, which --share-prefix does not compute: "
+             "run with --no-share-prefix (the model's own attention)")
+    paths, (q_lengths, k_lengths) = prefix_tree  # split, not sliced: each backward fills no full-size zero gradient
+    value = value.index_select(2, paths)  # (casts first, as autocast's would: RoPE left q and k in fp32)
+    key = key.to(value.dtype).index_select(2, paths)
+    parts = zip(query.to(value.dtype).split(q_lengths, 2), key.split(k_lengths, 2), value.split(k_lengths, 2))
     out = [torch.nn.functional.scaled_dot_product_attention(
-        query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1], attn_mask=causal_lower_right(q1 - q0, k1 - k0),
-        dropout_p=dropout, scale=scaling, enable_gqa=gqa) for q0, q1, k0, k1 in segments]
+        q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), dropout_p=dropout, scale=scaling,
+        enable_gqa=q.shape[1] != k.shape[1]) for q, k, v in parts]
     return torch.cat(out, 2).transpose(1, 2), None
 
 
-def pack_samples(seqs: list[list[int]], share: bool):
-    """One row for token sequences in token order: a sequence's longest common prefix with the one before it (the
-    longest it shares with any earlier one) is not repeated. (ids, positions, prefix_tree, where): where[k][j] is the
-    row index of sequence k's j-th token."""
-    ids, positions, paths, segments, where = [], [], [], [], []
-    for k, seq in enumerate(seqs):
-        shared = len(os.path.commonprefix([seqs[k - 1], seq])) if share and k else 0
-        path = (where[k - 1][:shared] if shared else []) + list(range(len(ids), len(ids) + len(seq) - shared))
-        if len(seq) > shared:  # its own tokens attend to its whole path
-            segments.append((len(ids), len(ids) + len(seq) - shared, len(paths), len(paths) + len(seq)))
-            paths += path
-        ids += seq[shared:]
-        positions += range(shared, len(seq))
-        where.append(path)
-    return torch.tensor([ids]), torch.tensor([positions]), (torch.tensor(paths), segments), where
+def token_order(seqs: dict, share: bool) -> dict:
+    """The keys of `seqs` in the order a pass computes them, each with the length of the prefix it shares with the one
+    before: with sharing, token order (neighbours share the longest prefixes); without, longest first (less padding)."""
+    if not share:
+        return {i: 0 for i in sorted(seqs, key=lambda i: -len(seqs[i]))}
+    order = sorted(seqs, key=seqs.get)
+    return {i: len(os.path.commonprefix([seqs[before], seqs[i]])) if k else 0
+            for k, (before, i) in enumerate(zip([None] + order, order))}
 
 
-def micro_batches(seqs: dict, budget: int, share: bool) -> list[list[int]]:
-    """The keys of `seqs` in token order, cut where a micro-batch would compute more than `budget` tokens (a prefix
-    shared with the sample before counted once; a sample longer than the budget goes alone)."""
-    batches, cost, before = [], budget, None
-    for i in sorted(seqs, key=seqs.get):
-        new = len(seqs[i]) - (len(os.path.commonprefix([seqs[before], seqs[i]])) if share and before is not None else 0)
-        if cost + new > budget:
+def micro_batches(seqs: dict, order: dict, budget: int, share: bool) -> list[list[int]]:
+    """The keys of `order` cut where a micro-batch would compute more than `budget` tokens: with sharing, each sample's
+    tokens past the prefix it shares with the one before; without, rows x its longest row (padding counted). A sample
+    longer than the budget goes alone."""
+    batches, cost = [], budget + 1
+    for i, shared in order.items():
+        if share:
+            cost += len(seqs[i]) - shared
+        else:  # longest first: the first sample's length is the batch's row width
+            cost = (len(batches[-1]) + 1) * len(seqs[batches[-1][0]]) if batches else cost
+        if cost > budget:
             batches.append([])
-            cost, new = 0, len(seqs[i])
+            cost = len(seqs[i])
         batches[-1].append(i)
-        cost, before = cost + new, i
     return batches
 
 
+def pack_samples(seqs: list[list[int]], shared: list[int]):
+    """One row for token sequences in token order, where `shared[k]` tokens of sequence k begin sequence k - 1 too
+    and are not repeated. (ids, positions, prefix_tree, where): where[k] is the row index of sequence k's j-th token."""
+    ids, positions, paths, q_lengths, k_lengths, where = [], [], [], [], [], []
+    for k, seq in enumerate(seqs):
+        n = shared[k] if k else 0
+        path = (where[k - 1][:n] if n else []) + list(range(len(ids), len(ids) + len(seq) - n))
+        if len(seq) > n:  # its own tokens attend to its whole path
+            q_lengths.append(len(seq) - n)
+            k_lengths.append(len(seq))
+            paths += path
+        ids += seq[n:]
+        positions += range(n, len(seq))
+        where.append(path)
+    return torch.tensor([ids]), torch.tensor([positions]), (torch.tensor(paths), (q_lengths, k_lengths)), where
+
+
+def pad_samples(seqs: list[list[int]]):
+    """pack_samples's contract for a right-padded batch: causal attention keeps every real token from the padding
+    after it, so the model's own attention needs no mask. where[k] indexes the flattened [rows x width] batch."""
+    width = max(map(len, seqs))
+    ids = torch.tensor([seq + [0] * (width - len(seq)) for seq in seqs])
+    return ids, None, None, [range(k * width, k * width + len(seq)) for k, seq in enumerate(seqs)]
+
+
 def packed_hidden_states(model, ids, positions, prefix_tree) -> torch.Tensor:
-    """The final norm's output (what lm_head reads) at every token of a packed row, by the model's own forward (FSDP
-    gathers the root weights), one logit computed; a 4D mask stands in, so that transformers builds none."""
+    """The final norm's output (what lm_head reads) at every token of a batch, flattened, by the model's own forward
+    (FSDP gathers the root weights), one logit computed. A packed row (`prefix_tree`) goes through
+    shared_prefix_attention with a 4D mask standing in, so that transformers builds none."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    if hf_model(model).config._attn_implementation != "shared_prefix":  # once per model; other calls get SDPA's
-        AttentionInterface.register("shared_prefix", shared_prefix_attention)
-        ALL_MASK_ATTENTION_FUNCTIONS.register("shared_prefix", sdpa_mask)
-        hf_model(model).set_attn_implementation("shared_prefix")
-    captured, device = [], next(model.parameters()).device
+    captured, device, packed = [], next(model.parameters()).device, {}
+    if prefix_tree is not None:
+        if hf_model(model).config._attn_implementation != "shared_prefix":  # once per model; other calls get SDPA's
+            AttentionInterface.register("shared_prefix", shared_prefix_attention)
+            ALL_MASK_ATTENTION_FUNCTIONS.register("shared_prefix", sdpa_mask)
+            hf_model(model).set_attn_implementation("shared_prefix")
+        packed = dict(position_ids=positions.to(device), prefix_tree=(prefix_tree[0].to(device), prefix_tree[1]),
+                      attention_mask=torch.ones(1, 1, 1, 1).bool())
     hook = hf_model(model).model.norm.register_forward_hook(lambda module, inputs, output: captured.append(output))
     try:
-        model(input_ids=ids.to(device), position_ids=positions.to(device), use_cache=False, logits_to_keep=1,
-              prefix_tree=(prefix_tree[0].to(device), prefix_tree[1]), attention_mask=torch.ones(1, 1, 1, 1).bool())
+        model(input_ids=ids.to(device), use_cache=False, logits_to_keep=1, **packed)
     finally:
         hook.remove()
-    return captured[0][0]
+    return captured[0].flatten(0, 1)
 
 
 def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
@@ -1486,9 +1546,12 @@ def micro_batch_logprobs(model, prompts, responses, rows: list[int], args, autoc
     `logprob_chunk_tokens` at a time, recomputed in backward. A rank out of rows runs zero-weight passes, keeping
     FSDP's collectives in step."""
     seqs = {i: prompts[i] + responses[i] for i in rows}
-    for micro in lockstep(micro_batches(seqs, args.micro_batch_tokens, args.share_prefix)):
+    order = token_order(seqs, args.share_prefix)
+    for micro in lockstep(micro_batches(seqs, order, args.micro_batch_tokens, args.share_prefix)):
         idx, lm_head = micro or [], hf_model(model).lm_head
-        ids, positions, tree, where = pack_samples([seqs[i] for i in idx] or [[0, 0]], args.share_prefix)
+        batch = [seqs[i] for i in idx] or [[0, 0]]
+        ids, positions, tree, where = (pack_samples(batch, [order[i] for i in idx]) if args.share_prefix
+                                       else pad_samples(batch))
         at = [j for i, path in zip(idx, where) for j in path[len(prompts[i]) - 1 : -1]] or [0]
         chunked = torch.utils.checkpoint.checkpoint if torch.is_grad_enabled() else lambda f, *a, **k: f(*a)
         with autocast():
@@ -1501,7 +1564,7 @@ def micro_batch_logprobs(model, prompts, responses, rows: list[int], args, autoc
         if micro is None and torch.is_grad_enabled():
             (logp.sum() * 0.0).backward()
         if micro is not None and tokens is not None:
-            tokens.update(computed=ids.shape[1], samples=sum(len(seqs[i]) for i in idx))
+            tokens.update(computed=ids.numel(), samples=sum(len(seqs[i]) for i in idx))
         if micro is not None:
             yield idx, logp, entropy
 
@@ -1519,7 +1582,7 @@ def logprobs_no_grad(model, prompts, responses, args, autocast) -> list[torch.Te
 
 def packing_metrics(tokens: Counter, update_s: float, passes: int) -> dict:
     """The update's sample tokens per second, and the tokens its forward passes computed in one pass over the
-    samples, each shared prefix counted once (without sharing: tokens/prompt + tokens/response)."""
+    samples, each shared prefix counted once (without sharing: the padded batches' tokens)."""
     computed, samples = all_reduce([tokens["computed"], tokens["samples"]])
     return {"perf/train_tokens_per_s": samples / max(update_s, 1e-9), "tokens/computed": computed / max(passes, 1)}
 

@@ -368,7 +368,8 @@ def test_a_gguf_policy_checkpoints_as_plain_hf_resumes_and_checkpoints_again(tmp
 
 def test_one_iteration_gives_the_same_losses_with_and_without_shared_prefixes(tiny_model, tmp_path):
     """--share-prefix through the main loop: the same seed, the same samples, the same losses/* (fp32), while the
-    update computes fewer tokens than the samples hold (a group's first prompts are one prompt)."""
+    update computes fewer tokens than the samples hold (a group's first prompts are one prompt); without sharing the
+    update runs padded batches through the model's own attention."""
     rows = {}
     for flag in ("--share-prefix", "--no-share-prefix"):
         out = run_script("grpo.py", "--model", tiny_model, *TINY_FLAGS, "--total-iterations", "1", "--bf16", "False",
@@ -377,9 +378,9 @@ def test_one_iteration_gives_the_same_losses_with_and_without_shared_prefixes(ti
         rows[flag] = read_metrics(only_run(tmp_path / flag))[1]
     shared, plain = rows["--share-prefix"], rows["--no-share-prefix"]
     assert shared["tokens/samples"] == plain["tokens/samples"] and shared["tokens/prompt"] == plain["tokens/prompt"]
-    assert plain["tokens/computed"] == plain["tokens/prompt"] + plain["tokens/response"] > shared["tokens/computed"]
+    assert plain["tokens/computed"] >= plain["tokens/prompt"] + plain["tokens/response"] > shared["tokens/computed"]
     losses = [k for k in plain if k.startswith("losses/")]
-    assert len(losses) >= 6 and all(shared[k] == pytest.approx(plain[k], rel=1e-5, abs=1e-7) for k in losses), \
+    assert len(losses) >= 6 and all(shared[k] == pytest.approx(plain[k], rel=1e-5, abs=1e-6) for k in losses), \
         {k: (shared[k], plain[k]) for k in losses}
 
 

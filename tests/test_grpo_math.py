@@ -86,20 +86,28 @@ def test_k3_kl_by_hand():
 def test_micro_batches_go_in_token_order_and_count_a_shared_prefix_once():
     seqs = {0: [1, 2, 3, 4], 1: [9, 9], 2: [1, 2, 3, 7, 7], 3: [1, 2, 5]}
     # token order 0, 2, 3, 1; shared with the one before: 0, 3 ([1 2 3]), 2 ([1 2]), 0 -> new tokens 4, 2, 1, 2
-    assert grpo.micro_batches(seqs, budget=7, share=True) == [[0, 2, 3], [1]]
-    assert grpo.micro_batches(seqs, budget=7, share=False) == [[0], [2], [3, 1]]  # 4 + 5, 5 + 3 > 7; 3 + 2 fits
-    assert grpo.micro_batches({0: [1] * 9, 1: [2]}, budget=4, share=True) == [[0], [1]]  # too long: alone
+    order = grpo.token_order(seqs, share=True)
+    assert order == {0: 0, 2: 3, 3: 2, 1: 0} and list(order) == [0, 2, 3, 1]
+    assert grpo.micro_batches(seqs, order, budget=7, share=True) == [[0, 2, 3], [1]]
+    # without sharing: longest first (5, 4, 3, 2 tokens), rows x the first row's width: 2 x 5, 2 x 4 > 7; 2 x 3 fits
+    order = grpo.token_order(seqs, share=False)
+    assert list(order) == [2, 0, 3, 1]
+    assert grpo.micro_batches(seqs, order, budget=7, share=False) == [[2], [0], [3, 1]]
+    long = {0: [1] * 9, 1: [2]}
+    assert grpo.micro_batches(long, grpo.token_order(long, True), budget=4, share=True) == [[0], [1]]  # too long: alone
 
 
 def test_a_packed_row_holds_each_shared_prefix_once_and_every_token_keeps_its_position():
     a, b, c = [1, 2, 3, 4], [1, 2, 3, 7, 7], [9, 1]
-    ids, positions, (paths, segments), where = grpo.pack_samples([a, b, c], share=True)
+    ids, positions, (paths, lengths), where = grpo.pack_samples([a, b, c], [0, 3, 0])
     assert ids.tolist() == [[1, 2, 3, 4, 7, 7, 9, 1]] and positions.tolist() == [[0, 1, 2, 3, 3, 4, 0, 1]]
     assert where == [[0, 1, 2, 3], [0, 1, 2, 4, 5], [6, 7]]
-    # each sample's own tokens (query rows q0:q1) attend to its whole path (rows k0:k1 of `paths`)
-    assert segments == [(0, 4, 0, 4), (4, 6, 4, 9), (6, 8, 9, 11)] and paths.tolist() == [0, 1, 2, 3, 0, 1, 2, 4, 5, 6, 7]
-    ids, positions, _, where = grpo.pack_samples([a, b, c], share=False)
-    assert ids.tolist() == [a + b + c] and where[1] == [4, 5, 6, 7, 8]
+    # each sample's own tokens (4, 2 and 2 query rows, in row order) attend to its whole path (4, 5 and 2 rows of
+    # `paths`, in order)
+    assert lengths == ([4, 2, 2], [4, 5, 2]) and paths.tolist() == [0, 1, 2, 3, 0, 1, 2, 4, 5, 6, 7]
+    ids, positions, tree, where = grpo.pad_samples([b, a, c])  # without sharing: right-padded rows, 5 wide
+    assert ids.tolist() == [b, a + [0], c + [0, 0, 0]] and positions is None and tree is None
+    assert [list(w) for w in where] == [[0, 1, 2, 3, 4], [5, 6, 7, 8], [10, 11]]
 
 
 def test_response_logprobs_are_the_response_tokens_of_each_sample_as_a_plain_forward_gives_them(tiny_model):
@@ -491,25 +499,44 @@ def test_pi_old_is_the_policy_before_the_first_step_and_the_samplers_log_probs_a
 
 
 def test_the_engine_check_stops_on_a_weight_that_differs_or_that_nothing_was_sent_to(capsys):
-    """check_engine_weights on hand-made checksums: q, k and v sent apart add up to the engine's fused qkv; a fused
-    weight whose sum is off, and an engine weight nothing was sent to, each stop the run with one line."""
+    """check_engine_weights on hand-made checksums (elements, sum, index sum): q (2 elements), k (1) and v (3) sent
+    apart make the engine's fused qkv, k's indices offset by q's 2 elements and v's by 3; a fused weight whose sums
+    are off, one with a part's elements missing, and an engine weight nothing was sent to each stop the run."""
     packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
-    sent = {"l.q_proj.weight": 3, "l.k_proj.weight": -1, "l.v_proj.weight": 5, "norm.weight": 7}
-    grpo.check_engine_weights({"l.qkv_proj.weight": 7, "norm.weight": 7}, packed, sent)  # 3 - 1 + 5
-    for engine, message in [({"l.qkv_proj.weight": 6, "norm.weight": 7}, "weight l.qkv_proj.weight differs"),
-                            ({"l.qkv_proj.weight": 7, "head.weight": 0}, "weight head.weight received no weight")]:
+    sent = {"l.v_proj.weight": (3, 5, 4), "l.q_proj.weight": (2, 3, 1), "l.k_proj.weight": (1, -1, 0),
+            "norm.weight": (4, 7, 9)}
+    # sum 3 - 1 + 5 = 7; index sum 1 + (0 + 2 x -1) + (4 + 3 x 5) = 18
+    grpo.check_engine_weights({"l.qkv_proj.weight": (6, 7, 18), "norm.weight": (4, 7, 9)}, packed, sent)
+    for engine, message in [({"l.qkv_proj.weight": (6, 6, 18), "norm.weight": (4, 7, 9)}, "qkv_proj.weight differs"),
+                            ({"l.qkv_proj.weight": (6, 7, 17), "norm.weight": (4, 7, 9)}, "qkv_proj.weight differs"),
+                            ({"l.qkv_proj.weight": (7, 7, 18), "norm.weight": (4, 7, 9)}, "holds 7 values, but 6"),
+                            ({"l.qkv_proj.weight": (6, 7, 18), "head.weight": (0, 0, 0)}, "head.weight received no")]:
         with pytest.raises(SystemExit):
             grpo.check_engine_weights(engine, packed, sent)
         assert message in capsys.readouterr().err
 
 
-def test_bit_sum_tells_one_rounding_step_apart_and_ignores_order_and_the_sign_of_zero():
-    w = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    assert grpo.bit_sum(w) == grpo.bit_sum(w.t().contiguous()) == grpo.bit_sum(w.flip(0))
+def test_bit_sums_see_one_rounding_step_and_every_change_of_order_but_not_the_sign_of_zero():
+    """(elements, sum of bit patterns, sum of pattern x row-major index): on a 2 x 2 of 1.0, 2.0, 3.0, 4.0 in bf16
+    (patterns 0x3F80, 0x4000, 0x4040, 0x4080 = 16256, 16384, 16448, 16512), 65600 and 16384 + 2 x 16448 + 3 x 16512."""
+    w = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.bfloat16)
+    assert grpo.bit_sums(w) == (4, 65600, 16384 + 2 * 16448 + 3 * 16512)
+    assert grpo.bit_sums(torch.tensor([-0.0, 1.0])) == grpo.bit_sums(torch.tensor([0.0, 1.0]))
+    w = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     nudged = w.clone()
     nudged[3, 5] = (w[3, 5].view(torch.int16) + 1).view(torch.bfloat16)  # bf16's next value: one unit in the last place
-    assert grpo.bit_sum(nudged) == grpo.bit_sum(w) + 1
-    assert grpo.bit_sum(torch.tensor([-0.0, 1.0])) == grpo.bit_sum(torch.tensor([0.0, 1.0]))
+    assert grpo.bit_sums(nudged)[1] == grpo.bit_sums(w)[1] + 1
+    swapped = nudged.clone()  # one unit up here, one down elsewhere: the plain sum cannot tell, the index sum can
+    swapped[7, 1] = (w[7, 1].view(torch.int16) - 1).view(torch.bfloat16)
+    assert grpo.bit_sums(swapped)[:2] == grpo.bit_sums(w)[:2] and grpo.bit_sums(swapped) != grpo.bit_sums(w)
+    for moved in (w.t(), w.flip(0), w.roll(1, 1)):  # transposed, rows flipped, columns rotated: same values
+        assert grpo.bit_sums(moved)[:2] == grpo.bit_sums(w)[:2] and grpo.bit_sums(moved) != grpo.bit_sums(w)
+    # blocks of rows (the sent side) and blocks of columns (the engine's kernel reads W^T) give the same sums
+    big = torch.randn(3000, 1500, generator=torch.Generator().manual_seed(1))
+    by_columns = [grpo.block_bit_sums(big[:, c : c + 1024], 0, c, 1500) for c in (0, 1024)]
+    assert tuple(map(sum, zip(*by_columns))) == grpo.bit_sums(big)
+    patterns = w.view(torch.int16).reshape(-1).tolist()  # and both as Python's integers give them, element by element
+    assert grpo.bit_sums(w) == (4096, sum(patterns), sum(k * b for k, b in enumerate(patterns)))
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
@@ -543,7 +570,7 @@ def test_sharing_prefixes_gives_the_update_the_same_log_probs_and_gradients(tiny
     for name, grad in plain_grads.items():
         assert (shared_grads[name] - grad).norm() <= 1e-5 * grad.norm() + 1e-12, name
     whole = sum(map(len, prompts)) + sum(map(len, responses))
-    assert plain["tokens/computed"] == whole
+    assert whole == 233 and plain["tokens/computed"] == 6 * 44  # one padded batch: six rows of the longest sample
     # computed once: step 0's prompt (38 + 15 response tokens), the task head's two continuations (6 + 3, 6 + 5),
     # and the lone sample (24)
     assert shared["tokens/computed"] == 38 + 15 + 9 + 11 + 24 and shared["tokens/computed"] < 0.6 * whole
@@ -571,3 +598,52 @@ def test_group_minibatches_keep_a_tasks_samples_together_and_default_to_the_rand
                                             np.linspace(-1, 1, 8), args, NO_AUTOCAST,
                                             torch.Generator().manual_seed(0))["tokens/computed"]
     assert computed[True] == 64 < computed[False]  # seed 0's random split mixes the two tasks
+
+
+ATTENTION_FEATURES = {  # a tiny model whose attention has what --share-prefix does not compute, and the line it stops with
+    "qwen2-sliding-window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0),
+                             "a sliding window"),
+    "gemma2-softcap": ("Gemma2Config", dict(head_dim=16, layer_types=["full_attention"] * 2,
+                                            attn_logit_softcapping=50.0, final_logit_softcapping=None),
+                       "soft-capped logits"),
+    "gpt-oss-sinks": ("GptOssConfig", dict(head_dim=16, intermediate_size=64, num_local_experts=4,
+                                           num_experts_per_tok=2, layer_types=["full_attention"] * 2),
+                      "attention sinks"),
+}
+
+
+@pytest.mark.parametrize("family", list(ATTENTION_FEATURES))
+def test_attention_the_shared_path_cannot_compute_stops_it_and_the_plain_path_is_the_models_own(family, capsys):
+    """A sliding window (8 tokens, on 26-token samples), soft-capped attention logits and attention sinks: with
+    --no-share-prefix the response log-probs are those of the model's own forward of each sample alone; with
+    --share-prefix the first forward stops with one line naming the feature and the way out."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    config_class, extra, feature = ATTENTION_FEATURES[family]
+    config = getattr(transformers, config_class)(**{**dict(vocab_size=300, hidden_size=64, intermediate_size=128,
+                                                           num_hidden_layers=2, num_attention_heads=4,
+                                                           num_key_value_heads=2), **extra})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 300, (20,), generator=g).tolist() for _ in range(3)]
+    responses = [torch.randint(5, 300, (n,), generator=g).tolist() for n in (6, 4, 6)]
+
+    def alone(m):  # each sample's own forward, the next token picked from the full logits
+        with torch.no_grad():
+            logits = [m(torch.tensor([p + r])).logits[0].float().log_softmax(-1) for p, r in zip(prompts, responses)]
+        return [[lp[len(p) - 1 + k, y].item() for k, y in enumerate(r)] for lp, p, r in zip(logits, prompts, responses)]
+
+    expected = alone(model)
+    got = grpo.logprobs_no_grad(model, prompts, responses, grpo.Args(cuda=False, share_prefix=False), NO_AUTOCAST)
+    assert [g.tolist() for g in got] == [pytest.approx(e, abs=1e-5) for e in expected]
+    if family == "qwen2-sliding-window":  # the window matters here: without it the same weights give other log-probs
+        config.use_sliding_window, config.layer_types = False, ["full_attention"] * 2
+        unwindowed = AutoModelForCausalLM.from_config(config).eval()
+        unwindowed.load_state_dict(model.state_dict())
+        assert max(abs(a - b) for e, u in zip(expected, alone(unwindowed)) for a, b in zip(e, u)) > 0.01
+    with pytest.raises(SystemExit):
+        grpo.logprobs_no_grad(model, prompts, responses, grpo.Args(cuda=False, share_prefix=True), NO_AUTOCAST)
+    assert capsys.readouterr().err.strip() == (f"error: this model's attention has {feature}, which --share-prefix does "
+                                               "not compute: run with --no-share-prefix (the model's own attention)")

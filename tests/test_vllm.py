@@ -53,6 +53,18 @@ def test_sync_gives_the_engine_the_trained_weights(vllm_imports, vllm_model, unt
     assert gaps["one_fused_weight_missing"].startswith("error: vLLM engine weight model.layers.0.self_attn.qkv_proj")
     assert gaps["one_weight_left_out"].startswith("error: vLLM engine weight model.layers.0.self_attn.o_proj.weight ")
     assert gaps["resynced"]["mean"] < 0.05
+    # the check sees order: the same values in other places (gate and up swapped, k and v swapped, a square weight
+    # transposed, a weight's rows flipped) and other values with the same sum (one unit up, one down) each stop the
+    # run, where an order-free sum passed all five; a fused part never sent stops it by its count of values, whatever
+    # the engine's fresh memory there holds (an order-free sum passes where that is zeros)
+    for case, weight in [("gate_up_swapped", "0.mlp.gate_up_proj"), ("k_v_swapped", "0.self_attn.qkv_proj"),
+                         ("square_transposed", "0.self_attn.o_proj"), ("rows_flipped", "0.mlp.down_proj"),
+                         ("same_sum_other_values", "0.input_layernorm")]:
+        assert gaps[case] == (f"error: vLLM engine weight model.layers.{weight}.weight differs from the trained "
+                              "weights sent to it: the engine is stale"), case
+    assert gaps["fused_part_never_sent"].startswith("error: vLLM engine weight model.layers.1.self_attn."
+                                                              "qkv_proj.weight holds ")
+    assert gaps["resynced_again"]["mean"] < 0.05
 
 
 @pytest.mark.parametrize("script", list(METHOD_FLAGS))

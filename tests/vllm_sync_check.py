@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -73,4 +74,40 @@ if __name__ == "__main__":
     result["one_weight_left_out"] = sync_altered(lambda it: ((n, w) for n, w in it if "layers.0.self_attn.o_proj" not in n))
     sampler.sync(model)
     result["resynced"] = gaps(sampler, model, tokenizer, args, autocast, prompts)
+
+    # What an order-free sum of each weight could not tell: the same values in other places, or a part never sent
+    def renamed(a: str, b: str):
+        """The weights of a and b sent under each other's names."""
+        return lambda it: ((b if n == a else a if n == b else n, w) for n, w in it)
+
+    def one_unit_up_one_down(w):
+        bits = w.clone().view({2: torch.int16, 4: torch.int32}[w.element_size()])
+        bits[0] += 1
+        bits[1] -= 1
+        return bits.view(w.dtype)
+
+    layer = "model.layers.0."
+    result["gate_up_swapped"] = sync_altered(renamed(layer + "mlp.gate_proj.weight", layer + "mlp.up_proj.weight"))
+    result["k_v_swapped"] = sync_altered(renamed(layer + "self_attn.k_proj.weight", layer + "self_attn.v_proj.weight"))
+    result["square_transposed"] = sync_altered(lambda it: ((n, w.t().contiguous() if n == layer + "self_attn.o_proj.weight"
+                                                            else w) for n, w in it))
+    result["rows_flipped"] = sync_altered(lambda it: ((n, w.flip(0) if n == layer + "mlp.down_proj.weight" else w)
+                                                      for n, w in it))
+    result["same_sum_other_values"] = sync_altered(lambda it: ((n, one_unit_up_one_down(w) if n == layer +
+                                                                "input_layernorm.weight" else w) for n, w in it))
+    k = "model.layers.1.self_attn.k_proj.weight"
+    gathered = grpo.full_parameters  # a trained model without k: it is neither sent nor counted as sent
+    grpo.full_parameters = lambda m: ((n, w) for n, w in gathered(m) if n != k)
+    result["fused_part_never_sent"] = sync_altered(lambda it: it)
+    grpo.full_parameters = gathered
+    sampler.sync(model)
+    result["resynced_again"] = gaps(sampler, model, tokenizer, args, autocast, prompts)
+
+    # what the check costs per sync: the sent side's checksums and the engine's
+    start = time.perf_counter()
+    sent = [grpo.bit_sums(w.detach().to(llm.llm_engine.model_config.dtype)) for _, w in model.named_parameters()]
+    middle = time.perf_counter()
+    llm.collective_rpc(grpo.engine_bit_sums)
+    result["check_seconds"] = {"sent": middle - start, "engine": time.perf_counter() - middle,
+                               "parameters": sum(p.numel() for p in model.parameters())}
     out.write_text(json.dumps(result, indent=2))
