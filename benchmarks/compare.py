@@ -800,7 +800,7 @@ def main(args: Args) -> None:
     host = result["machine"]
     if args.stage != "report" and not host.get("cuda") and not host.get("cpu_bf16"):
         print("note: this CPU has no bf16 matrix instructions, so the runs are fp32, about 4.5x slower than on an "
-              "AVX512-BF16 CPU (benchmarks/results/profile_avx2_fp32.json): a warm run of the default setting took "
+              "AVX512-BF16 CPU (notes/benchmarks_history.md): a warm run of the default setting took "
               "75-90 min on 2 AVX-512 Xeon cores and about 2.3 h on 2 AVX2 EPYC cores", flush=True)
 
     # 1. the warm start
