@@ -4,6 +4,10 @@
 #
 #   (a) a Qwen2.5-1.5B-shaped model with random weights: grpo.py's update (tokens/s, MFU), HF
 #       generation tokens/s, peak GPU memory, and one full grpo.py iteration on cooking (bf16 autocast);
+#       and grpo.py's log-prob micro-batch with and without --share-prefix (gpu_model.py paths): samples whose
+#       prompts share heads, so that the shared path computes ~0.55 and ~0.95 of their tokens in one
+#       16384-token micro-batch; per path, seconds and peak memory of forward+backward and of a no-grad
+#       pass, the speedup next to its token bound, and the paths' log-prob difference;
 #   (b) the learning benchmark with SmolLM2-135M-Instruct at GPU scale (benchmarks/learning.py --preset gpu).
 #
 # The SmolLM2 GGUF is 98 MB, over one call's 64 MiB: it travels in two parts, one per call, and the
@@ -23,8 +27,9 @@
 # 3. Device call 2, at once (within 30 s): command "bash benchmarks/gpu_check.sh b",
 #    carry [".whl", ".cache/gguf2"], timeout_s 480. Joins the GGUF, checks its SHA256, runs (b).
 # 4. give_back. Results come back under $OUT (files_at): gpu_update.json, gpu_iteration.json,
-#    learning_gpu.json/.png, logs; copy them to benchmarks/results/.
-# Budget: machine start ~1-2 min + (a) ~3-4 min + (b) ~6 min = ~12 of the 15 minutes.
+#    gpu_paths.json, learning_gpu.json/.png, logs; copy them to benchmarks/results/.
+# Budget: machine start ~1-2 min + (a) ~4-5 min (of which paths ~1 min: loading the model, then 2 cases x
+# 2 paths x (1 warm-up + 3 timed) x (forward+backward + no-grad) on <= 30k tokens) + (b) ~6 min = ~13 of the 15.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
@@ -71,6 +76,8 @@ a)
     set -x
     $PY benchmarks/gpu_model.py build --out /tmp/qwen15b-random 2>&1 | grep -v "shards" | tee "$OUT/gpu_a.log"
     $PY benchmarks/gpu_model.py bench --model /tmp/qwen15b-random --out "$OUT/gpu_update.json" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/gpu_a.log"
+    $PY benchmarks/gpu_model.py paths --model /tmp/qwen15b-random --out "$OUT/gpu_paths.json" 2>&1 \
+        | grep -v "Loading weights" | tee -a "$OUT/gpu_a.log"
     $PY benchmarks/gpu_model.py iteration --model /tmp/qwen15b-random --out "$OUT/gpu_iteration.json" 2>&1 | tee -a "$OUT/gpu_a.log"
     cp /tmp/bench-gpu-runs.log "$OUT/gpu_iteration_run.log" 2>/dev/null
     ;;

@@ -3,6 +3,7 @@
     python benchmarks/gpu_model.py build --out /tmp/qwen15b              # config -> random weights + tiny tokenizer
     python benchmarks/gpu_model.py bench --model /tmp/qwen15b            # grpo.py's update and HF generation, in process
     python benchmarks/gpu_model.py iteration --model /tmp/qwen15b        # one grpo.py iteration on cooking (CLI), GPU memory sampled
+    python benchmarks/gpu_model.py paths --model /tmp/qwen15b            # log-probs with and without --share-prefix
 
 Shape (Qwen2.5-1.5B's config): hidden 1536, 28 layers, 12 heads, 2 KV heads, intermediate 8960,
 vocab 151936, tied embeddings; 1.54 B parameters. The tokenizer is the tests' tiny one (400 ids):
@@ -20,10 +21,13 @@ JSON reports MFU against both. `--shape tiny` runs the same code on CPU in secon
 from __future__ import annotations
 
 import json
+import resource
+import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -81,6 +85,29 @@ class Iteration:
                   "--num-eval-tasks 1 --num-env-workers 8 --save-every 1000000")
     out: Path = REPO / "benchmarks" / "results" / "gpu_iteration.json"
     runs_dir: Path = Path("/tmp/bench-gpu-runs")
+
+
+@dataclass
+class Paths:
+    """grpo.py's two log-prob paths on the same samples, whose prompts share heads: a right-padded batch through the
+    model's own attention (--no-share-prefix) and one packed row computing each shared head once (--share-prefix).
+    Is the shared path's per-sample attention loop on a GPU as fast as its token count promises, and at what memory?"""
+
+    model: Path = Path("/tmp/qwen15b-random")
+    fractions: tuple[float, ...] = (0.55, 0.95)
+    """one case each: the fraction of the samples' tokens the shared path computes (the head lengths are solved)"""
+    micro_batch_tokens: int = 16384
+    """--micro-batch-tokens of both paths; the shared path computes each case in one micro-batch of it (the plain
+    path, the same samples with their heads repeated, in as many as grpo.py would cut)"""
+    groups: int = 2
+    """groups per case: each is one prompt head shared by group_size samples, each with its own tail"""
+    group_size: int = 8
+    response_tokens: int = 256
+    """the end of each sample's own tail: the tokens whose log-probs are computed"""
+    repeats: int = 3
+    """timed repetitions per pass, after one warm-up (the median is reported)"""
+    gradient_checkpointing: bool = True
+    out: Path = REPO / "benchmarks" / "results" / "gpu_paths.json"
 
 
 def build(a: Build) -> None:
@@ -195,6 +222,127 @@ def bench(a: Bench) -> dict:
     return result
 
 
+def shared_head_samples(rng, vocab: int, a: Paths, fraction: float):
+    """`groups` x `group_size` samples of one length: per group a prompt head, then per sample its own tail (the
+    prompt's rest, then the response). The shared path computes head + group_size * tail tokens per group: the
+    lengths are solved for that to be `fraction` of the group's tokens, all groups in one micro-batch. Distinct first
+    tokens make groups share nothing and a group's samples exactly their head (random ids could share more)."""
+    per_group = a.micro_batch_tokens // a.groups
+    length = round(per_group / (fraction * a.group_size))
+    tail = (per_group - length) // (a.group_size - 1)
+    head = length - tail
+    if head < 1 or not 0 < a.response_tokens < tail:
+        raise SystemExit(f"fraction {fraction}: head {head} and tail {tail} tokens per sample; need head >= 1 and "
+                         f"0 < --response-tokens ({a.response_tokens}) < tail")
+    prompts, responses = [], []
+    for first in rng.choice(vocab, a.groups, replace=False):
+        shared = [int(first)] + rng.integers(0, vocab, head - 1).tolist()
+        for start in rng.choice(vocab, a.group_size, replace=False):
+            own = [int(start)] + rng.integers(0, vocab, tail - 1).tolist()
+            prompts.append(shared + own[: -a.response_tokens])
+            responses.append(own[-a.response_tokens :])
+    return prompts, responses, {"head_tokens": head, "tail_tokens": tail, "sample_length": length}
+
+
+def time_pass(run, repeats: int, device) -> tuple[dict, object]:
+    """One warm-up, then `repeats` timed calls of `run`: median seconds and the peak memory they reached (CUDA:
+    allocated; CPU: growth of the process's peak RSS, which rises only past every earlier peak). (stats, last output)"""
+    import torch
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    out = run()
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    rss0, times = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = run()
+        sync()
+        times.append(time.perf_counter() - t0)
+    stats = {"seconds": statistics.median(times), "seconds_all": times}
+    if device.type == "cuda":
+        stats["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        stats["peak_rss_growth_mib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+    return stats, out
+
+
+def paths(a: Paths) -> dict:
+    import numpy as np
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    import grpo
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    use_bf16 = device.type == "cuda"  # as bench: fp32 master weights + bf16 autocast on CUDA, fp32 on CPU
+    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)  # noqa: E731
+    tokenizer, model = grpo.load_policy(str(a.model), device)
+    if a.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    rng = np.random.default_rng(0)
+    cases = {}
+    for fraction in a.fractions:
+        prompts, responses, shape = shared_head_samples(rng, len(tokenizer), a, fraction)
+        rows, case = list(range(len(prompts))), {"target_fraction": fraction, "samples": len(prompts), **shape}
+        logps = {}
+        for name, share in (("plain", False), ("shared", True)):
+            args = grpo.Args(share_prefix=share, micro_batch_tokens=a.micro_batch_tokens, cuda=device.type == "cuda")
+            tokens = Counter()
+
+            def forward_backward():  # update_policy's micro-batch loop, the loss reduced to the sum of log-probs
+                model.train()
+                model.zero_grad(set_to_none=True)
+                tokens.clear()
+                for _, logp, _ in grpo.micro_batch_logprobs(model, prompts, responses, rows, args, autocast, tokens):
+                    logp.sum().backward()
+                    tokens["micro_batches"] += 1
+
+            grad, _ = time_pass(forward_backward, a.repeats, device)
+            no_grad, out = time_pass(lambda: grpo.logprobs_no_grad(model, prompts, responses, args, autocast),
+                                     a.repeats, device)
+            logps[name] = torch.cat(out)
+            case[name] = {"share_prefix": share, "micro_batches": tokens["micro_batches"],
+                          "tokens_computed": tokens["computed"], "sample_tokens": tokens["samples"],
+                          "forward_backward": grad, "no_grad": no_grad}
+            model.zero_grad(set_to_none=True)
+        plain, shared = case["plain"], case["shared"]
+        diff = (logps["plain"] - logps["shared"]).abs()
+        case.update({
+            "computed_fraction": shared["tokens_computed"] / shared["sample_tokens"],
+            "token_bound": plain["tokens_computed"] / shared["tokens_computed"],
+            "speedup_forward_backward": plain["forward_backward"]["seconds"] / shared["forward_backward"]["seconds"],
+            "speedup_no_grad": plain["no_grad"]["seconds"] / shared["no_grad"]["seconds"],
+            "logprob_max_abs_diff": diff.max().item(), "logprob_mean_abs_diff": diff.mean().item()})
+        cases[f"{fraction:g}"] = case
+        print(f"fraction {case['computed_fraction']:.3f} ({len(prompts)} samples x {shape['sample_length']} tokens): "
+              f"shared/plain speedup {case['speedup_forward_backward']:.2f} forward+backward, "
+              f"{case['speedup_no_grad']:.2f} no-grad (token bound {case['token_bound']:.2f}); "
+              f"log-prob max diff {case['logprob_max_abs_diff']:.2g}")
+    result = {
+        "benchmark": "gpu_paths",
+        "model": str(a.model),
+        "params": sum(p.numel() for p in model.parameters()),
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "bf16_autocast": use_bf16,
+        "gradient_checkpointing": a.gradient_checkpointing,
+        "micro_batch_tokens": a.micro_batch_tokens,
+        "logprob_chunk_tokens": grpo.Args(cuda=device.type == "cuda").logprob_chunk_tokens,
+        "repeats": a.repeats,
+        "definitions": "per path: median seconds of `repeats` passes after a warm-up, forward+backward (train mode, "
+                       "backward of the log-probs' sum per micro-batch) and no-grad (logprobs_no_grad); "
+                       "computed_fraction = shared tokens_computed / sample_tokens; token_bound = plain "
+                       "tokens_computed / shared tokens_computed (equal lengths: the plain path pads nothing); "
+                       "speedup = plain s / shared s; logprob diffs from the no-grad passes",
+        "cases": cases,
+        "machine": machine(),
+        "command": "python benchmarks/gpu_model.py " + " ".join(sys.argv[1:]),
+    }
+    write_json(a.out, result)
+    return result
+
+
 def iteration(a: Iteration) -> dict:
     import shlex
 
@@ -238,10 +386,12 @@ def iteration(a: Iteration) -> dict:
 
 
 if __name__ == "__main__":
-    cmd = tyro.extras.subcommand_cli_from_dict({"build": Build, "bench": Bench, "iteration": Iteration})
+    cmd = tyro.extras.subcommand_cli_from_dict({"build": Build, "bench": Bench, "paths": Paths, "iteration": Iteration})
     if isinstance(cmd, Build):
         build(cmd)
     elif isinstance(cmd, Bench):
         bench(cmd)
+    elif isinstance(cmd, Paths):
+        paths(cmd)
     else:
         sys.exit(0 if iteration(cmd)["ok"] else 1)
