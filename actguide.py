@@ -599,7 +599,7 @@ def update_policy(model, ref_model, optimizer, prompts, responses, advantages, a
             step = f"minibatch {len(grad_norms) + skipped_steps + 1}/{len(epochs) * num_minibatches}"
             bar.set_postfix_str(step, refresh=False)
             scale = world_size / max(all_reduce([sum(len(responses[i]) for i in minibatch)])[0], 1)  # FSDP: mean
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=False)  # zeroed in place: reallocated, they grew the retained heap
             for idx, logp, entropy in micro_batch_logprobs(model, prompts, responses, minibatch.tolist(), args,
                                                            autocast, packing):
                 for i, mine in zip(idx, logp.detach().split([len(responses[i]) for i in idx])):
@@ -822,7 +822,8 @@ class Run:
         self.generate = Sampler(self.llm, self.plain_model, self.tokenizer, args, self.autocast)
         self.generate.sync(model)  # vLLM's first weights: it was built with none
         trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
-        self.optimizer = torch.optim.AdamW(trained, lr=args.learning_rate, weight_decay=args.weight_decay)
+        self.optimizer = torch.optim.AdamW(trained, lr=args.learning_rate, weight_decay=args.weight_decay,
+                                           foreach=False)  # one tensor's temporaries at a time, not all of theirs
         self.update_generator = torch.Generator().manual_seed(args.seed + self.rank)
         self.task_rng, self.start_iteration, self.method_state = np.random.default_rng(args.seed), 0, {}
         if args.resume:
@@ -1259,9 +1260,11 @@ def engine_bit_sums(worker) -> tuple[dict, dict]:
                 sums[f"{name}.{param_name}"] = bit_sums(param[:rows].to(dtype))
         if kernel:
             width = module.input_size if isinstance(module, LinearBase) else module.embedding_dim
-            eye, total = torch.eye(width, dtype=dtype, device=module.weight.device), (0, 0, 0)
-            for i in range(0, width, 1024):  # W[:, i:i + 1024], transposed
-                w_t = module.quant_method.apply(module, eye[i : i + 1024], None).to(dtype)[:, :rows]
+            height = next(getattr(module, a) for a in ("output_size_per_partition", "num_embeddings_per_partition",
+                                                        "output_size") if hasattr(module, a))
+            eye, total, step = torch.eye(width, dtype=dtype, device=module.weight.device), (0, 0, 0), 2**22 // height
+            for i in range(0, width, max(1, step)):  # W[:, i:i + step], transposed: ~4M values at a time
+                w_t = module.quant_method.apply(module, eye[i : i + max(1, step)], None).to(dtype)[:, :rows]
                 total = tuple(map(sum, zip(total, block_bit_sums(w_t.t(), 0, i, width))))
             sums[f"{name}.weight"] = total
     return sums, getattr(model, "packed_modules_mapping", {})

@@ -50,6 +50,8 @@ class Args:
     """tokens per answer at most"""
     temperature: float = 1.0
     """sampling temperature"""
+    response_prefix: str = ""
+    """--response-prefix (the README run's: <think>)"""
     minibatch_size: int = 64
     """the update's --minibatch-size (compare.py's)"""
     micro_batch_tokens: int = 4096
@@ -90,8 +92,9 @@ def computed_tokens(samples: list[list[int]], groups: list[int], minibatch_size:
 
     def packed(rows: list[int]) -> int:
         seqs = {i: samples[i] for i in rows}
-        return sum(grpo.pack_samples([seqs[i] for i in batch], True)[0].shape[1]
-                   for batch in grpo.micro_batches(seqs, budget, True))
+        order = grpo.token_order(seqs, True)
+        return sum(grpo.pack_samples([seqs[i] for i in batch], [order[i] for i in batch])[0].shape[1]
+                   for batch in grpo.micro_batches(seqs, order, budget, True))
 
     n = len(samples)
     parts = max(1, -(-n // minibatch_size))
@@ -105,7 +108,8 @@ def computed_tokens(samples: list[list[int]], groups: list[int], minibatch_size:
             "unshared_micro_batches": sum(packed([i]) for i in range(n)) / whole}
 
 
-def main(args: Args) -> None:
+def play(args: Args):
+    """One grpo.py rollout in `args`'s setting: (model, bf16 autocast on, episodes, rollout timing, rollout seconds)."""
     import torch
 
     import envs
@@ -113,7 +117,8 @@ def main(args: Args) -> None:
 
     model_path = resolve_model(args.model)
     run = grpo.Args(model=model_path, env=args.env, num_tasks=args.num_tasks, group_size=args.group_size,
-                    max_steps=args.max_steps, max_new_tokens=args.max_new_tokens, temperature=args.temperature, cuda=False)
+                    max_steps=args.max_steps, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                    response_prefix=args.response_prefix, cuda=False)
     spec = envs.load(args.env)
     run = grpo.resolve_args(run, spec)
     random.seed(args.seed)
@@ -138,7 +143,11 @@ def main(args: Args) -> None:
         runner.close()
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
-    rollout_s = time.perf_counter() - t0
+    return model, use_bf16, episodes, timing, time.perf_counter() - t0
+
+
+def main(args: Args) -> None:
+    model, use_bf16, episodes, timing, rollout_s = play(args)
     result = {"benchmark": "prompt_sharing", "setting": {k: str(v) for k, v in asdict(args).items()}, "machine": machine(),
               "bf16_autocast": use_bf16, **sharing([t.prompt_ids for e in episodes for t in e.turns]),
               "won": sum(e.won for e in episodes), "episodes": len(episodes),

@@ -317,6 +317,24 @@ def test_prompt_sharing_counts_duplicates_and_shared_prefixes(tiny_model, tmp_pa
     assert r["computed_frac"]["one_pass"] < 1.0 == r["computed_frac"]["unshared_micro_batches"]
 
 
+def test_update_passes_times_both_paths_on_one_rollout(tiny_model, tmp_path):
+    """Both update paths on the same samples, each budget and pass. A group of two shares its first prompt: with
+    4096-token micro-batches the shared pass computes fewer tokens than the samples hold; with 64 (every sample
+    alone) as many."""
+    out = tmp_path / "passes.json"
+    bench("update_passes.py", "--model", tiny_model, "--preset", "smoke", "--micro-batch-tokens", "64", "4096",
+          "--out", str(out))
+    r = json.loads(out.read_text())
+    assert [(row["micro_batch_tokens"], row["pass"]) for row in r["runs"]] == [(64, "no_grad"), (64, "grad"),
+                                                                               (4096, "no_grad"), (4096, "grad")]
+    for row in r["runs"]:
+        shared, alone = row["shared"]["computed"], row["micro_batch_tokens"] == 64
+        assert r["sample_tokens"] <= row["plain"]["computed"]
+        assert shared == r["sample_tokens"] if alone else shared < r["sample_tokens"]
+        assert row["token_bound"] == row["plain"]["computed"] / shared and (row["token_bound"] > 1) != alone
+        assert row["speedup"] == row["plain"]["s"] / row["shared"]["s"] and row["of_bound"] > 0
+
+
 def test_guidance_probe_shows_the_whole_plan_at_k_equals_K_and_counts_hinted_actions_taken(tiny_model, tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("guidance_probe", REPO / "benchmarks" / "guidance_probe.py")
     module = importlib.util.module_from_spec(spec)
