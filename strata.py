@@ -379,13 +379,13 @@ def strategy_embeddings(model, token_lists: list[list[int]], autocast, token_bud
     model.eval()
     seqs = {i: t or [0] for i, t in enumerate(token_lists)}
     out = [None] * len(token_lists)
-    for batch in lockstep(micro_batches(seqs, token_budget, share=False)):
+    for batch in lockstep(micro_batches(seqs, token_order(seqs, False), token_budget, share=False)):
         batch = batch or []  # None: a dummy pass keeps FSDP ranks in step
-        ids, positions, tree, where = pack_samples([seqs[i] for i in batch] or [[0]], share=False)
+        ids, positions, tree, where = pad_samples([seqs[i] for i in batch] or [[0]])
         with autocast():
             hidden = packed_hidden_states(model, ids, positions, tree)
         for i, path in zip(batch, where):
-            out[i] = hidden[path].float().mean(0).cpu().numpy()
+            out[i] = hidden[list(path)].float().mean(0).cpu().numpy()
     return np.stack(out) if out else np.zeros((0, 1))
 
 
