@@ -104,7 +104,12 @@ def test_resume_under_vllm_repeats_the_straight_run(vllm_imports, vllm_model, tm
     resumed = run_script("grpo.py", "--resume", str(only_run(tmp_path / "b")), "--total-iterations", "2")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = read_metrics(only_run(tmp_path / "a")), read_metrics(only_run(tmp_path / "b"))
-    assert comparable(a[2]) == comparable(b[2]) and logged_lists(a[2]) == logged_lists(b[2])
+    # on an AVX2-only CPU (an fp32 engine) the engine-to-trainer gap differs in its last bits between the straight and
+    # the resumed run (2.1e-7 against 1.9e-7, also on the code before issue 62): that metric is compared to 1e-6
+    gap = [k for k in a[2] if k.startswith("rollout/logprob_abs_diff")]
+    assert {k: v for k, v in comparable(a[2]).items() if k not in gap} == \
+        {k: v for k, v in comparable(b[2]).items() if k not in gap}
+    assert all(b[2][k] == pytest.approx(a[2][k], abs=1e-6) for k in gap) and logged_lists(a[2]) == logged_lists(b[2])
     assert a[2]["tokens/response"] > 0 and "rollout/logprob_abs_diff_mean" in b[2]
 
 
