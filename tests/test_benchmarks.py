@@ -453,3 +453,30 @@ def test_compare_alfworld_verdict_tests_each_method_from_its_start_per_seed_and_
     assert verdict["proas_vs_grpo"] == {"seeds": [1], "wins": 3, "grpo_wins": 3, "games": 3, "fisher_p": pytest.approx(1.0)}
     assert "| grpo.py | seed 1: 1 -> 3 of 3 (p 0.4), seed 2: 0 -> 0 of 3 (p 1) | 1 -> 3 of 6 (p 0.55) | 480, 480 |" \
         in module.alfworld_markdown(verdict)
+
+
+def test_compare_alfworld2_gate_power_and_task_types_by_hand(monkeypatch):
+    spec = importlib.util.spec_from_file_location("compare", REPO / "benchmarks" / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "compare", module)
+    spec.loader.exec_module(module)
+    game = lambda kind, k: f"valid_unseen/{kind}-Mug-None-Desk-{k}/trial_T2019"  # noqa: E731
+    won = {game("pick_and_place_simple", 1): True, game("pick_and_place_simple", 2): False,
+           game("pick_heat_then_place_in_recep", 3): False, game("look_at_obj_in_light", 4): True}
+    assert module.won_by_type(won) == {"look_at_obj_in_light": [1, 1], "pick_and_place_simple": [1, 2],
+                                       "pick_heat_then_place_in_recep": [0, 1]}
+    # 2 of 4 held-out games won (50%: the gate's upper bound); 4 tasks a round, kept 4 in 2 rounds then 1 in 8
+    metrics = {0: {"eval/won_by_task": won},
+               1: {"filter/rounds": 2, "filter/informative_groups": 4, "losses/entropy": 0.2, "charts/success_rate": 0.5},
+               2: {"filter/rounds": 8, "filter/informative_groups": 1, "losses/entropy": 0.1, "charts/success_rate": 0.0}}
+    gate = module.alfworld2_gate(metrics, num_tasks=4)
+    assert (gate["heldout_wins"], gate["mixed_groups"], gate["groups_played"]) == (2, 5, 40)
+    assert gate["mixed_share"] == pytest.approx(5 / 40) and not gate["passed"]  # 1/8 of the groups: below a quarter
+    metrics[2].update({"filter/rounds": 2, "filter/informative_groups": 4})
+    assert module.alfworld2_gate(metrics, num_tasks=4)["passed"]  # 8 of 16, at 50% held-out
+    metrics[0]["eval/won_by_task"] = {**won, game("pick_and_place_simple", 2): True}
+    assert not module.alfworld2_gate(metrics, num_tasks=4)["passed"]  # 3 of 4 held-out: above 50%
+    # Fisher on 4 games each: only 0 -> 4 is below 0.05 (2/70; 0 -> 3 is 8/56), so power is P(0 of 4) x P(4 of 4)
+    assert module.fisher_power(0.5, 0.5, 4) == pytest.approx(0.5**4)
+    assert module.fisher_power(0.25, 0.5, 4) == pytest.approx(0.75**4 * 0.75**4)  # 0 of 4 at 25%, 4 of 4 at 75%
+    assert module.rise_at_power(0.0, 4, power=0.5) == pytest.approx(0.85)  # 0.85^4 = 0.522, 0.84^4 = 0.498
