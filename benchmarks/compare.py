@@ -898,6 +898,8 @@ def alfworld2(args: Args) -> None:
         warm = {"command": sft["command"], "run_dir": sft["run_dir"], "nll": series(metrics, "losses/nll"),
                 "epoch_s": series(metrics, "perf/epoch_s"), "demonstrations": metrics[0].get("demos/tasks"),
                 "demonstration_samples": metrics[0].get("demos/samples")}
+        result["gates"].setdefault(name, {})["warm_start"] = warm  # recorded the moment it lands
+        save(out, result)
         # the probe: grpo.py seed 1's first iterations, which the run then continues from if the gate passes
         flags = ["--model", model, *common, *ALFWORLD2_RL, "--seed", "1"]
         probe = str(ALFWORLD2_GATE["probe_iterations"])
