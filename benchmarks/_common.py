@@ -57,10 +57,29 @@ def resolve_model(name: str) -> str:
     return name
 
 
+def checkpoints(output_dir: Path) -> dict[str, int] | None:
+    """Each run folder's checkpoint as its inode (a save swaps a new folder in), or None while a save is under way."""
+    try:
+        if any(output_dir.glob("*/checkpoint.tmp")):
+            return None
+        return {p.parent.name: p.stat().st_ino for p in output_dir.glob("*/checkpoint")}
+    except FileNotFoundError:  # a swap between the listing and the stat
+        return None
+
+
+def next_checkpoint_fits(landed: list[float], deadline_s: float) -> bool:
+    """Whether one more checkpoint lands before the deadline, expected after the longest gap between the
+    checkpoints landed so far (seconds since the start; the first gap counts from the start)."""
+    gaps = [b - a for a, b in zip([0.0, *landed], landed)]
+    return not landed or landed[-1] + max(gaps) <= deadline_s
+
+
 def run_training(script: str, flags: list[str], output_dir: Path, log_path: Path, deadline_s: float | None = None,
-                 threads: int | None = None) -> dict:
+                 threads: int | None = None, stop_at_checkpoint: bool = False) -> dict:
     """Run `python <script> <flags> --output-dir <output_dir>` to the end (or until `deadline_s`, when
-    it is killed and what it logged so far is kept). Returns rc, wall time, peak RSS and the run dir."""
+    it is killed and what it logged so far is kept). Returns rc, wall time, peak RSS and the run dir.
+    `stop_at_checkpoint`: stop it right after a checkpoint when the next one would not land before the deadline,
+    since a resumed run repeats the iteration a kill cut."""
     output_dir.mkdir(parents=True, exist_ok=True)
     before = {p.name for p in output_dir.iterdir()}
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -74,12 +93,19 @@ def run_training(script: str, flags: list[str], output_dir: Path, log_path: Path
         log.write(" ".join(cmd) + "\n")
         log.flush()
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        killed = False
+        killed, seen, landed = False, checkpoints(output_dir) or {}, []
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
             if pid:
                 break
-            if deadline_s is not None and time.perf_counter() - t0 > deadline_s and not killed:
+            now, stop = time.perf_counter() - t0, False
+            if stop_at_checkpoint and deadline_s is not None:
+                current = checkpoints(output_dir)
+                if current is not None and current != seen:
+                    seen = current
+                    landed.append(now)
+                    stop = not next_checkpoint_fits(landed, deadline_s)
+            if (stop or (deadline_s is not None and now > deadline_s)) and not killed:
                 os.killpg(proc.pid, 9)  # its own process group: the trainer and its env workers
                 killed = True
             time.sleep(0.5)

@@ -238,7 +238,8 @@ def drive(script: str, flags: list[str], output_dir: Path, last: int, deadline: 
     if left < 60:
         return None
     print(f"{time.strftime('%H:%M:%S')} {script} {' '.join(call[:2])} ... -> {output_dir}", flush=True)
-    info = run_training(script, call, output_dir, output_dir.with_suffix(".log"), deadline_s=left)
+    info = run_training(script, call, output_dir, output_dir.with_suffix(".log"), deadline_s=left,
+                        stop_at_checkpoint=True)
     run_dir = run_dir_of(output_dir)
     info["run_dir"] = str(run_dir) if run_dir is not None else None  # run_training names new folders only, not a resumed one
     if run_dir is not None and not (run_dir / "command.json").exists():

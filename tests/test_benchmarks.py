@@ -480,3 +480,26 @@ def test_compare_alfworld2_gate_power_and_task_types_by_hand(monkeypatch):
     assert module.fisher_power(0.5, 0.5, 4) == pytest.approx(0.5**4)
     assert module.fisher_power(0.25, 0.5, 4) == pytest.approx(0.75**4 * 0.75**4)  # 0 of 4 at 25%, 4 of 4 at 75%
     assert module.rise_at_power(0.0, 4, power=0.5) == pytest.approx(0.85)  # 0.85^4 = 0.522, 0.84^4 = 0.498
+
+
+def test_a_deadline_stops_a_run_after_the_checkpoint_whose_successor_would_miss_it(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import torch
+    from _common import next_checkpoint_fits, read_metrics, run_training
+
+    # by hand: checkpoints at 100 s and 150 s are 100 s and 50 s apart, so the next is expected by 250 s
+    assert next_checkpoint_fits([100.0, 150.0], 250.0) and not next_checkpoint_fits([100.0, 150.0], 249.0)
+    assert not next_checkpoint_fits([100.0], 199.0) and next_checkpoint_fits([], 1.0)
+    flags = ["--model", tiny_model, "--env", "cooking", "--num-tasks", "1", "--group-size", "2", "--max-steps", "1",
+             "--max-new-tokens", "4", "--num-eval-tasks", "1", "--eval-every", "1000", "--save-every", "1",
+             "--no-gradient-checkpointing", "--num-env-workers", "1", "--bf16", "False", "--vllm", "False"]
+    once = run_training("grpo.py", [*flags, "--total-iterations", "1"], tmp_path / "once", tmp_path / "once.log")
+    assert once["returncode"] == 0
+    # the first checkpoint lands at about `once`'s wall time, the next ones an iteration apart: a deadline of 2.5x
+    # lets at least a second land, and the run stops after the one whose successor would come too late
+    deadline = 2.5 * once["wall_s"]
+    info = run_training("grpo.py", [*flags, "--total-iterations", "1000"], tmp_path / "long", tmp_path / "long.log",
+                        deadline_s=deadline, stop_at_checkpoint=True)
+    saved = torch.load(Path(info["run_dir"]) / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"]
+    assert info["killed_at_deadline"] and info["wall_s"] < deadline
+    assert saved == max(read_metrics(info["run_dir"])) >= 2  # the last logged iteration is checkpointed: none lost
